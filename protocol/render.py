@@ -1,0 +1,128 @@
+"""From engine audio to what a client receives for one unit: speed, rate, format, timeline.
+
+`UnitRenderer` is fed the engine's `AudioPiece`s of one unit in order and returns the bytes to send in
+the negotiated format, plus the unit's words on the unit's own timeline (milliseconds from the unit's
+first output sample; `place_words` moves them onto the utterance timeline). Pure: no I/O, no clock.
+
+Memory: a streaming renderer holds only the resampler's and time-stretcher's tails; a whole-file renderer
+(`stream_audio=false`, or a compressed format) holds the unit's audio until `finish()`, bounded by the
+unit size cap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from voicewire.adapters.base import AudioPiece, FloatAudio, WordSpan
+from voicewire.protocol.audio import (
+    StreamResampler,
+    encode_file,
+    encode_raw,
+    time_stretch,
+    wav_header,
+)
+from voicewire.protocol.messages import ResponseFormat, WordTiming
+
+
+@dataclass(frozen=True, slots=True)
+class RenderPlan:
+    """How one unit's audio is shaped.
+
+    `engine_speed` goes to the engine (inside its native range); `stretch` is the pitch-preserving
+    tempo factor applied afterwards (1.0 = none), so the heard speed is `engine_speed * stretch`.
+    """
+
+    response_format: ResponseFormat
+    stream: bool
+    native_rate: int
+    output_rate: int
+    engine_speed: float
+    stretch: float
+
+
+def plan_speed(speed: float, native_range: tuple[float, float]) -> tuple[float, float]:
+    """Split a requested speed into (engine speed, extra time-stretch factor)."""
+    lo, hi = native_range
+    engine_speed = min(max(speed, lo), hi)
+    return engine_speed, speed / engine_speed
+
+
+@dataclass(slots=True)
+class RenderedPiece:
+    """Bytes to send now (may be empty), the output samples they hold, and the words whose audio is in
+    or before them (unit ms)."""
+
+    data: bytes
+    samples: int
+    words: list[tuple[int, int, float, float]] = field(default_factory=list)
+    """(char_start, char_end, start_ms, end_ms) on the unit timeline, char offsets into the unit text."""
+
+
+class UnitRenderer:
+    """Renders one unit. Call `feed` per engine piece, then `finish` once; not reusable."""
+
+    def __init__(self, plan: RenderPlan) -> None:
+        self.plan = plan
+        self._resampler = StreamResampler(plan.native_rate, plan.output_rate)
+        self._whole: list[FloatAudio] = []
+        self._native_samples = 0
+        self.output_samples = 0
+        self.output_bytes = 0
+        self._header_sent = False
+
+    @property
+    def audio_ms(self) -> float:
+        return self.output_samples * 1000.0 / self.plan.output_rate
+
+    def feed(self, piece: AudioPiece) -> RenderedPiece:
+        if piece.sample_rate != self.plan.native_rate:
+            raise ValueError(f"engine piece at {piece.sample_rate} Hz, expected {self.plan.native_rate} Hz")
+        words = self._words(piece.words)
+        self._native_samples += len(piece.samples)
+        audio = piece.samples
+        if self.plan.stretch != 1.0:
+            audio = time_stretch(audio, self.plan.native_rate, self.plan.stretch)
+        audio = self._resampler.process(audio)
+        return self._emit(audio, words)
+
+    def finish(self) -> RenderedPiece:
+        """The rest of the unit (for a non-streaming unit: the whole file and all its samples)."""
+        tail = self._emit(self._resampler.process(np.zeros(0, np.float32), last=True), [])
+        if self.plan.stream:
+            return tail
+        audio = np.concatenate(self._whole) if self._whole else np.zeros(0, np.float32)
+        self._whole.clear()
+        data = encode_file(audio, self.plan.output_rate, self.plan.response_format)
+        self.output_bytes = len(data)
+        return RenderedPiece(data, len(audio))
+
+    def _emit(self, audio: FloatAudio, words: list[tuple[int, int, float, float]]) -> RenderedPiece:
+        self.output_samples += len(audio)
+        if not self.plan.stream:
+            if len(audio):
+                self._whole.append(audio)
+            return RenderedPiece(b"", 0, words)
+        fmt = self.plan.response_format
+        data = encode_raw(audio, "pcm" if fmt == "wav" else fmt)  # type: ignore[arg-type]
+        if fmt == "wav" and not self._header_sent:
+            data = wav_header(self.plan.output_rate) + data
+            self._header_sent = True
+        self.output_bytes += len(data)
+        return RenderedPiece(data, len(audio), words)
+
+    def _words(self, spans: tuple[WordSpan, ...]) -> list[tuple[int, int, float, float]]:
+        scale = 1000.0 / (self.plan.native_rate * self.plan.stretch)
+        return [(w.char_start, w.char_end, w.start_sample * scale, w.end_sample * scale) for w in spans]
+
+
+def place_words(
+    words: list[tuple[int, int, float, float]], unit_text: str, unit_char_start: int, unit_offset_ms: float
+) -> list[WordTiming]:
+    """Move unit-relative words onto the utterance timeline and utterance character offsets."""
+    return [
+        WordTiming(word=unit_text[cs:ce], start_ms=round(unit_offset_ms + s),
+                   end_ms=round(unit_offset_ms + e), char_start=unit_char_start + cs,
+                   char_end=unit_char_start + ce)
+        for cs, ce, s, e in words
+    ]

@@ -1,0 +1,371 @@
+"""The WebSocket session state machine, sans I/O.
+
+`SessionMachine` is fed decoded client messages (and clock ticks) and returns `Action`s for the runtime to
+carry out: send an event, synthesize a unit, finish or cancel an utterance, close. It owns which message
+is legal when (one table, `_LEGAL`), config resolution against the engine's facts, segmentation and unit
+numbering. It never touches a socket, a task or a clock of its own, so every edge case is tested in
+microseconds.
+
+Utterance lifecycle: the first `input.text` opens utterance U; `input.done` closes its input (U is then
+"draining" until the runtime reports `utterance_finished(U)`); `input.cancel` cancels every open or
+draining utterance (or those of one `context_id`). A new utterance may open while an earlier one drains;
+its units queue behind. Memory held here is bounded by `max_utterance_chars` per open utterance.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from voicewire.protocol.audio import STREAMABLE_FORMATS
+from voicewire.protocol.messages import (
+    ClientMessage,
+    EffectiveConfig,
+    EngineDescription,
+    ErrorEvent,
+    InputCancel,
+    InputDone,
+    InputText,
+    Limits,
+    ProtocolError,
+    SessionClose,
+    SessionConfig,
+    SessionUpdated,
+    error_event,
+)
+from voicewire.protocol.segmenter import Segment, Segmenter
+
+
+class State(enum.Enum):
+    AWAITING_CONFIG = "awaiting_config"
+    READY = "ready"
+    """Configured, no utterance open (earlier ones may still be draining)."""
+    UTTERANCE_OPEN = "utterance_open"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerFacts:
+    """What the state machine needs to know about the server to resolve and validate a config."""
+
+    engine: EngineDescription
+    limits: Limits
+    model_names: frozenset[str]
+    voice_aliases: dict[str, str]
+    languages: frozenset[str]
+    supports_instructions: bool
+    supports_seed: bool
+    supports_codec_chunking: bool
+    voice_exists: Callable[[str], bool] = field(default=lambda _name: False)
+    """Voices beyond the engine's own (uploaded ones); they need a cloning engine."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One synthesis request: a segment of utterance text with the config in force when committed.
+
+    `char_start`/`char_end` index the utterance text (all `input.text` deltas of the utterance).
+    `committed_ms` is the clock value of the message (or tick) that completed the unit's text: TTFA
+    starts there.
+    """
+
+    utterance_index: int
+    sentence_index: int
+    text: str
+    char_start: int
+    char_end: int
+    config: EffectiveConfig
+    context_id: str | None
+    committed_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    event: SessionUpdated | ErrorEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Synthesize:
+    unit: Unit
+
+
+@dataclass(frozen=True, slots=True)
+class FinishUtterance:
+    """No more units will come for this utterance; send `session.done` after its last unit."""
+
+    utterance_index: int
+    total_sentences: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelUtterance:
+    """Stop this utterance now: abort its units, send nothing more of it, then `audio.cancelled`."""
+
+    utterance_index: int
+    context_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    code: int
+    reason: str
+
+
+Action = Send | Synthesize | FinishUtterance | CancelUtterance | Close
+
+CLOSE_NORMAL = 1000
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_TRY_AGAIN = 1013
+
+_LEGAL: dict[State, frozenset[str]] = {
+    State.AWAITING_CONFIG: frozenset({"session.config", "session.close"}),
+    State.READY: frozenset({"session.config", "input.text", "input.done", "input.cancel", "session.close"}),
+    State.UTTERANCE_OPEN: frozenset({"input.text", "input.done", "input.cancel", "session.close"}),
+    State.CLOSED: frozenset(),
+}
+"""Which client message types each state accepts; anything else is refused by `_illegal`."""
+
+
+def _message_type(msg: ClientMessage) -> str:
+    tag = type(msg).__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag
+
+
+@dataclass(slots=True)
+class _Utterance:
+    index: int
+    context_id: str | None
+    text_chars: int = 0
+    units: int = 0
+
+
+class SessionMachine:
+    """Legality, config, segmentation and numbering for one WebSocket session (see module doc)."""
+
+    def __init__(self, facts: ServerFacts, session_id: str) -> None:
+        self.facts = facts
+        self.session_id = session_id
+        self.state = State.AWAITING_CONFIG
+        self.config: EffectiveConfig | None = None
+        self._segmenter: Segmenter | None = None
+        self._open: _Utterance | None = None
+        self._draining: dict[int, str | None] = {}
+        self._next_utterance = 0
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def receive(self, msg: ClientMessage, now_ms: float) -> list[Action]:
+        """Apply one decoded client message. Raises nothing: refusals become `error` actions."""
+        kind = _message_type(msg)
+        if kind not in _LEGAL[self.state]:
+            return self._illegal(kind)
+        try:
+            match msg:
+                case SessionConfig():
+                    return self._configure(msg)
+                case InputText():
+                    return self._text(msg, now_ms)
+                case InputDone():
+                    return self._done(now_ms)
+                case InputCancel():
+                    return self._cancel(msg.context_id)
+                case SessionClose():
+                    self.state = State.CLOSED
+                    return [Close(CLOSE_NORMAL, "session.close")]
+        except ProtocolError as exc:
+            return self.protocol_error(exc)
+        raise AssertionError(kind)
+
+    def protocol_error(self, exc: ProtocolError) -> list[Action]:
+        """Turn a client mistake into actions; before the first config every mistake is fatal."""
+        fatal = exc.fatal or self.state is State.AWAITING_CONFIG
+        actions: list[Action] = [Send(error_event(exc, fatal=fatal))]
+        if fatal:
+            actions.extend(self._cancel_all())
+            self.state = State.CLOSED
+            actions.append(Close(CLOSE_POLICY, exc.code))
+        return actions
+
+    def tick(self, now_ms: float) -> list[Action]:
+        """Clock: commit text that waited past `max_buffer_delay_ms`."""
+        if self._segmenter is None or self._open is None:
+            return []
+        return self._units(self._segmenter.poll(now_ms), now_ms)
+
+    def next_deadline_ms(self) -> float | None:
+        """When `tick` has work to do, or None."""
+        if self._segmenter is None or self._open is None:
+            return None
+        return self._segmenter.next_deadline_ms()
+
+    def utterance_finished(self, utterance_index: int) -> None:
+        """The runtime sent `session.done` (or `audio.cancelled`) for this utterance."""
+        self._draining.pop(utterance_index, None)
+
+    @property
+    def active_utterances(self) -> tuple[int, ...]:
+        open_ = () if self._open is None else (self._open.index,)
+        return (*self._draining, *open_)
+
+    # -- handlers -------------------------------------------------------------------------------
+
+    def _illegal(self, kind: str) -> list[Action]:
+        if self.state is State.AWAITING_CONFIG:
+            return self.protocol_error(ProtocolError("config_required", f"Expected session.config, got: {kind}"))
+        if self.state is State.UTTERANCE_OPEN and kind == "session.config":
+            return self.protocol_error(ProtocolError(
+                "reconfig_during_utterance",
+                "session.config cannot be applied while an utterance is in progress; send input.done first"))
+        return self.protocol_error(ProtocolError("invalid_state", f"{kind} is not allowed now"))
+
+    def _configure(self, msg: SessionConfig) -> list[Action]:
+        self.config = resolve_config(msg, self.facts)
+        self._segmenter = Segmenter(
+            self.config.split_granularity,
+            max_buffer_delay_ms=self.config.max_buffer_delay_ms,
+            max_unit_chars=self.facts.limits.max_unit_chars,
+        )
+        self.state = State.READY
+        return [Send(SessionUpdated(session_id=self.session_id, config=self.config,
+                                    limits=self.facts.limits, engine=self.facts.engine))]
+
+    def _text(self, msg: InputText, now_ms: float) -> list[Action]:
+        assert self._segmenter is not None
+        utt = self._open
+        if utt is None:
+            utt = self._open = _Utterance(self._next_utterance, msg.context_id)
+            self._next_utterance += 1
+            self._segmenter.reset()
+            self.state = State.UTTERANCE_OPEN
+        elif msg.context_id is not None and msg.context_id != utt.context_id:
+            raise ProtocolError(
+                "context_mismatch",
+                f"input.text for context {msg.context_id!r} while context {utt.context_id!r} is open; "
+                "send input.done or input.cancel for it first")
+        limit = self.facts.limits.max_utterance_chars
+        if utt.text_chars + len(msg.text) > limit:
+            raise ProtocolError(
+                "utterance_too_large",
+                f"Utterance text would exceed {limit} characters; this input.text was dropped. "
+                "Send input.done to speak what was received.")
+        utt.text_chars += len(msg.text)
+        return self._units(self._segmenter.push(msg.text, now_ms), now_ms)
+
+    def _done(self, now_ms: float) -> list[Action]:
+        assert self._segmenter is not None
+        utt = self._open
+        if utt is None:
+            utt = _Utterance(self._next_utterance, None)
+            self._next_utterance += 1
+            actions: list[Action] = []
+        else:
+            actions = self._units(self._segmenter.flush(), now_ms)
+        self._open = None
+        self.state = State.READY
+        self._draining[utt.index] = utt.context_id
+        actions.append(FinishUtterance(utt.index, utt.units))
+        return actions
+
+    def _cancel(self, context_id: str | None) -> list[Action]:
+        actions: list[Action] = []
+        if self._open is not None and context_id in (None, self._open.context_id):
+            self._draining[self._open.index] = self._open.context_id
+            self._open = None
+            self.state = State.READY
+        for index, ctx in list(self._draining.items()):
+            if context_id is None or ctx == context_id:
+                del self._draining[index]
+                actions.append(CancelUtterance(index, ctx))
+        return actions
+
+    def _cancel_all(self) -> list[Action]:
+        return self._cancel(None)
+
+    def _units(self, segments: list[Segment], now_ms: float) -> list[Action]:
+        utt = self._open
+        assert utt is not None and self.config is not None
+        actions: list[Action] = []
+        for seg in segments:
+            if not any(ch.isalnum() for ch in seg.text):
+                continue
+            text = seg.text.strip()
+            start = seg.start + seg.text.index(text[0])
+            actions.append(Synthesize(Unit(
+                utterance_index=utt.index, sentence_index=utt.units, text=text,
+                char_start=start, char_end=start + len(text), config=self.config,
+                context_id=utt.context_id, committed_ms=now_ms)))
+            utt.units += 1
+        return actions
+
+
+def resolve_config(msg: SessionConfig, facts: ServerFacts) -> EffectiveConfig:
+    """Apply defaults and check every field against what the engine can honour.
+
+    Raises `ProtocolError("invalid_config", ...)` naming the field; never ignores a field silently.
+    """
+    engine = facts.engine
+    model = msg.model if msg.model is not None else engine.name
+    if model not in facts.model_names:
+        raise _bad("model", f"unknown model {model!r}; this server serves {', '.join(sorted(facts.model_names))}")
+    requested = msg.voice if msg.voice is not None else msg.speaker
+    voice = resolve_voice(requested, facts)
+    language = msg.language
+    if language is not None and language.lower() not in facts.languages:
+        raise _bad("language", f"language {language!r} is not supported by engine {engine.name}; "
+                   f"supported: {', '.join(sorted(facts.languages))}")
+    if msg.instructions and not facts.supports_instructions:
+        raise _unsupported("instructions", engine.name)
+    for name in ("ref_audio", "ref_text", "speaker_embedding", "x_vector_only_mode"):
+        if getattr(msg, name) is not None and not engine.voice_cloning:
+            raise _unsupported(name, engine.name, "it cannot clone voices")
+    if msg.task_type not in (None, "CustomVoice") and not engine.voice_cloning:
+        raise _unsupported("task_type", engine.name, "it only has predefined voices (CustomVoice)")
+    if msg.seed is not None and not facts.supports_seed:
+        raise _unsupported("seed", engine.name)
+    for name in ("max_new_tokens", "initial_codec_chunk_frames"):
+        if getattr(msg, name) is not None and not facts.supports_codec_chunking:
+            raise _unsupported(name, engine.name, "it is not a codec-token engine")
+    if msg.stream_audio and msg.response_format not in STREAMABLE_FORMATS:
+        raise _bad("response_format", f"stream_audio=true needs one of {', '.join(sorted(STREAMABLE_FORMATS))}; "
+                   f"{msg.response_format!r} can only be sent as one whole file per sentence")
+    audio_frames = msg.audio_frames or ("json" if msg.word_timestamps else "binary")
+    if msg.word_timestamps and not engine.word_timestamps:
+        raise _unsupported("word_timestamps", engine.name)
+    return EffectiveConfig(
+        model=model, voice=voice, language=language, instructions=msg.instructions, speed=msg.speed,
+        response_format=msg.response_format, sample_rate=msg.sample_rate or engine.sample_rate,
+        stream_audio=msg.stream_audio, split_granularity=msg.split_granularity,
+        max_buffer_delay_ms=msg.max_buffer_delay_ms, word_timestamps=msg.word_timestamps,
+        audio_frames=audio_frames, seed=msg.seed, initial_codec_chunk_frames=msg.initial_codec_chunk_frames,
+    )
+
+
+def resolve_voice(requested: str | None, facts: ServerFacts) -> str:
+    """Map a requested voice (engine name, alias or uploaded name) to an engine voice, or raise."""
+    engine = facts.engine
+    if requested is None:
+        return engine.default_voice
+    if requested in engine.voices:
+        return requested
+    alias = facts.voice_aliases.get(requested.lower())
+    if alias is not None:
+        return alias
+    if facts.voice_exists(requested):
+        if not engine.voice_cloning:
+            raise _bad("voice", f"voice {requested!r} is an uploaded voice, and engine {engine.name} cannot "
+                       "clone voices; use a voice cloning engine (talker) or one of: "
+                       f"{', '.join(engine.voices)}")
+        return requested
+    valid = sorted({*engine.voices, *facts.voice_aliases})
+    raise _bad("voice", f"unknown voice {requested!r}; valid voices: {', '.join(valid)}")
+
+
+def _bad(param: str, detail: str) -> ProtocolError:
+    return ProtocolError("invalid_config", f"Invalid session config: {param}: {detail}", param=param)
+
+
+def _unsupported(param: str, engine: str, why: str = "it cannot honour it") -> ProtocolError:
+    return _bad(param, f"not supported by engine {engine} ({why})")

@@ -1,0 +1,106 @@
+"""The aiohttp application factory and the WebSocket, health and readiness routes.
+
+`create_app(settings, engine)` returns a ready-to-run `web.Application`; the engine is started (loaded and
+warmed) in a cleanup context, so `/ready` turns true only once the first request would be fast, and the
+engine is closed when the app stops. Shutdown (SIGTERM under `voicewire serve`) stops accepting, lets
+sessions finish their audio for up to `shutdown_grace_s`, then closes them with 1001.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from voicewire.adapters.base import Engine
+from voicewire.adapters.registry import create_engine
+from voicewire.realtime.context import ServerContext
+from voicewire.realtime.session import SessionRuntime
+from voicewire.realtime.settings import Settings
+
+log = logging.getLogger("voicewire")
+
+CONTEXT: web.AppKey[ServerContext] = web.AppKey("voicewire_context", ServerContext)
+CLOSE_GOING_AWAY = 1001
+CLOSE_TRY_AGAIN_LATER = 1013
+
+
+def create_app(settings: Settings | None = None, engine: Engine | None = None) -> web.Application:
+    """Build the app. `engine` defaults to the one named by `settings.engine` (not started yet)."""
+    settings = settings or Settings()
+    engine = engine or create_engine(settings.engine, workers=settings.engine_workers)
+    ctx = ServerContext(settings=settings, engine=engine)
+    app = web.Application(client_max_size=settings.max_config_bytes)
+    app[CONTEXT] = ctx
+    app.cleanup_ctx.append(_engine_lifecycle)
+    app.on_shutdown.append(_shutdown_sessions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/v1/audio/speech/stream", speech_stream)
+    return app
+
+
+async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[CONTEXT]
+    started = time.monotonic()
+    await ctx.engine.start()
+    ctx.on_engine_started()
+    log.info("engine %s ready in %.2f s", ctx.engine.info.name, time.monotonic() - started)
+    try:
+        yield
+    finally:
+        ctx.ready = False
+        await ctx.engine.close()
+
+
+async def _shutdown_sessions(app: web.Application) -> None:
+    ctx = app[CONTEXT]
+    ctx.shutting_down = True
+    deadline = time.monotonic() + ctx.settings.shutdown_grace_s
+    while any(s.busy for s in _runtimes(ctx)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*(s.shutdown(CLOSE_GOING_AWAY, "server shutting down") for s in _runtimes(ctx)),
+                         return_exceptions=True)
+
+
+def _runtimes(ctx: ServerContext) -> list[SessionRuntime]:
+    return [s for s in ctx.sessions if isinstance(s, SessionRuntime)]
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: the process serves HTTP."""
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: the engine is loaded and warm and the server is not shutting down."""
+    ctx = request.app[CONTEXT]
+    if not ctx.ready or ctx.shutting_down:
+        return web.json_response({"status": "not ready"}, status=503)
+    return web.json_response({"status": "ready", "engine": ctx.engine.info.name,
+                              "sessions": len(ctx.sessions), "max_sessions": ctx.settings.max_sessions})
+
+
+async def speech_stream(request: web.Request) -> web.StreamResponse:
+    """`GET /v1/audio/speech/stream`: one realtime synthesis session per WebSocket."""
+    ctx = request.app[CONTEXT]
+    if not ctx.ready or ctx.shutting_down:
+        raise web.HTTPServiceUnavailable(text="engine not ready")
+    ws = web.WebSocketResponse(max_msg_size=ctx.settings.max_config_bytes, heartbeat=20.0)
+    await ws.prepare(request)
+    if len(ctx.sessions) >= ctx.settings.max_sessions:
+        ctx.metrics.sessions_refused.inc()
+        await ws.close(code=CLOSE_TRY_AGAIN_LATER, message=b"server full")
+        return ws
+    runtime = SessionRuntime(ws, ctx)
+    ctx.sessions.add(runtime)
+    ctx.metrics.sessions_total.inc()
+    ctx.metrics.sessions_open.inc()
+    try:
+        await runtime.run()
+    finally:
+        ctx.sessions.discard(runtime)
+        ctx.metrics.sessions_open.dec()
+    return ws

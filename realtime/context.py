@@ -1,0 +1,71 @@
+"""What every session and request of one server shares: engine, scheduler, settings, metrics."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from voicewire.adapters.base import Engine
+from voicewire.protocol.messages import EngineDescription, Limits
+from voicewire.protocol.session import ServerFacts
+from voicewire.realtime.metrics import Metrics
+from voicewire.realtime.scheduler import Scheduler
+from voicewire.realtime.settings import OPENAI_VOICE_NAMES, Settings
+
+
+@dataclass(slots=True)
+class ServerContext:
+    """Shared state of one running server. Created by the app factory; engine started in cleanup_ctx."""
+
+    settings: Settings
+    engine: Engine
+    metrics: Metrics = field(default_factory=Metrics)
+    scheduler: Scheduler | None = None
+    facts: ServerFacts | None = None
+    ready: bool = False
+    shutting_down: bool = False
+    sessions: set[object] = field(default_factory=set)
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def next_id(self, prefix: str) -> str:
+        return f"{prefix}_{next(self._ids):06d}"
+
+    def on_engine_started(self) -> None:
+        """Derive the scheduler and the session facts from the started engine's info."""
+        info = self.engine.info
+        s = self.settings
+        self.scheduler = Scheduler(info.max_concurrency)
+        aliases = {name: info.default_voice for name in OPENAI_VOICE_NAMES}
+        aliases.update({k.lower(): v for k, v in s.voice_aliases.items()})
+        caps = info.capabilities
+        self.facts = ServerFacts(
+            engine=EngineDescription(
+                name=info.name, sample_rate=info.sample_rate, voices=list(info.voices),
+                default_voice=info.default_voice, languages=list(info.languages),
+                word_timestamps=caps.word_timings, voice_cloning=caps.voice_cloning,
+                native_speed=list(caps.speed_range)),
+            limits=Limits(
+                config_timeout_s=s.config_timeout_s, idle_timeout_s=s.idle_timeout_s,
+                stall_timeout_s=s.stall_timeout_s, max_message_bytes=s.max_message_bytes,
+                max_config_bytes=s.max_config_bytes, max_utterance_chars=s.max_utterance_chars,
+                max_unit_chars=s.max_unit_chars, max_units_in_flight=s.max_units_in_flight,
+                max_sessions=s.max_sessions),
+            model_names=frozenset({info.name, *s.model_aliases}),
+            voice_aliases=aliases,
+            languages=_language_names(info.languages),
+            supports_instructions=caps.instructions,
+            supports_seed=caps.seed,
+            supports_codec_chunking=caps.codec_frames,
+        )
+        self.ready = True
+
+
+def _language_names(codes: tuple[str, ...]) -> frozenset[str]:
+    """Accept codes ("en"), regional codes ("en-us") and vllm-omni's names ("english", "auto")."""
+    names = {"auto"}
+    english = {"en": "english"}
+    for code in codes:
+        names.add(code.lower())
+        if code.lower() in english:
+            names.update({english[code.lower()], f"{code.lower()}-us", f"{code.lower()}-gb"})
+    return frozenset(names)

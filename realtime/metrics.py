@@ -1,0 +1,33 @@
+"""Prometheus metrics of one server (one registry per app, so tests never share counters)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFA_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+
+
+class Metrics:
+    """The server's counters; `render()` gives the Prometheus text exposition."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.sessions_open = Gauge("voicewire_sessions_open", "WebSocket sessions open now", registry=r)
+        self.sessions_total = Counter("voicewire_sessions", "WebSocket sessions accepted", registry=r)
+        self.sessions_refused = Counter("voicewire_sessions_refused", "WebSocket sessions refused (server full)",
+                                        registry=r)
+        self.units = Counter("voicewire_units", "Synthesis units by outcome", ["outcome"], registry=r)
+        self.ttfa = Histogram("voicewire_ttfa_seconds",
+                              "Time from the text completing an utterance's first unit to its first audio sent",
+                              ["route"], buckets=TTFA_BUCKETS, registry=r)
+        self.audio_seconds = Counter("voicewire_audio_seconds", "Seconds of audio produced", ["route"], registry=r)
+        self.engine_busy = Counter("voicewire_engine_busy_seconds", "Engine slot time in use", registry=r)
+        self.engine_queue = Gauge("voicewire_engine_queue_depth", "Units waiting for an engine slot", registry=r)
+        self.engine_in_use = Gauge("voicewire_engine_slots_in_use", "Engine slots computing now", registry=r)
+        self.errors = Counter("voicewire_errors", "Errors sent to clients by code", ["code"], registry=r)
+        self.requests = Counter("voicewire_http_requests", "REST requests by route and status",
+                                ["route", "status"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

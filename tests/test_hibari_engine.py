@@ -1,0 +1,227 @@
+"""The embedded hibari engine, driven through the `Engine` interface with the real model (no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Iterator
+
+import numpy as np
+import pytest
+from hibari import Hibari
+from voicewire.adapters.base import AudioPiece, Engine, SynthesisRequest, WordSpan
+from voicewire.adapters.hibari import DURATION_UNIT, HibariEngine
+
+TOLKIEN = "On the 3rd of March 2024, Dr. Smith paid $9.99 to J. R. R. Tolkien's estate."
+TOLKIEN_WORDS = [
+    "On", "the", "3rd", "of", "March", "2024", "Dr", "Smith", "paid", "$9.99",
+    "to", "J", "R", "R", "Tolkien's", "estate",
+]  # fmt: skip
+LONG_SENTENCE = (
+    ", ".join(
+        [
+            "When the long winter finally ended and the rivers began to run again through the valley",
+            "the farmers walked out into their muddy fields to measure how much of the soil had survived",
+            "while their children chased each other between the fences and the old stone walls",
+            "and the merchants in the town counted the barrels that had waited all season in their cellars",
+            "hoping that the first boats of the spring would arrive before the prices started to fall",
+            "because nobody in the valley could afford another year like the one that had just gone by",
+        ]
+    )
+    + "."
+)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[HibariEngine]:
+    started = HibariEngine(workers=1)
+    asyncio.run(started.start())
+    yield started
+    asyncio.run(started.close())
+
+
+async def collect(
+    engine: HibariEngine, text: str, speed: float = 1.0, seed: int | None = 0
+) -> list[AudioPiece]:
+    request = SynthesisRequest(request_id="test", text=text, voice="heart", speed=speed, seed=seed)
+    return [piece async for piece in engine.synthesize(request)]
+
+
+def all_words(pieces: list[AudioPiece]) -> list[WordSpan]:
+    return [word for piece in pieces for word in piece.words]
+
+
+def assert_spans_well_formed(pieces: list[AudioPiece]) -> None:
+    """Monotonic, non-overlapping, and each span ends inside the audio yielded so far."""
+    end_of_audio = 0
+    previous_end = 0
+    for piece in pieces:
+        end_of_audio += len(piece.samples)
+        for word in piece.words:
+            assert previous_end <= word.start_sample <= word.end_sample <= end_of_audio
+            previous_end = word.end_sample
+
+
+def test_engine_info_describes_hibari(engine: HibariEngine) -> None:
+    assert isinstance(engine, Engine)
+    info = engine.info
+    assert (info.name, info.sample_rate, info.voices, info.default_voice) == (
+        "hibari",
+        24000,
+        ("heart",),
+        "heart",
+    )
+    assert info.languages == ("en",)
+    assert info.capabilities.word_timings and info.capabilities.seed and not info.capabilities.voice_cloning
+    assert info.capabilities.speed_range == (0.5, 2.0)
+    assert info.capabilities.streaming == "unit"
+    assert info.max_concurrency == 1
+
+
+@pytest.fixture(scope="module")
+def raw_hibari() -> Hibari:
+    """The library as published, to compare against."""
+    return Hibari()
+
+
+@pytest.mark.parametrize("text", ["Hello there.", LONG_SENTENCE, TOLKIEN, "Why? Because, well... no!"])
+async def test_durations_sum_exactly_to_audio_length(
+    engine: HibariEngine, raw_hibari: Hibari, text: str
+) -> None:
+    for phonemes in raw_hibari.phonemize(text):
+        audio, durations = await engine.render_phonemes(phonemes, seed=1)
+        assert len(durations) == len(raw_hibari.ids(phonemes))  # one per id, the two pads included
+        assert int(durations.sum()) * DURATION_UNIT == len(audio)
+
+
+async def test_word_spans_point_at_the_written_words(engine: HibariEngine) -> None:
+    pieces = await collect(engine, TOLKIEN)
+    assert len(pieces) == 1
+    words = all_words(pieces)
+    assert [TOLKIEN[w.char_start : w.char_end] for w in words] == TOLKIEN_WORDS
+    assert_spans_well_formed(pieces)
+    by_text = {TOLKIEN[w.char_start : w.char_end]: w for w in words}
+    # "$9.99" is read as six words and "2024" as three; "to" is one short word
+    assert by_text["$9.99"].end_sample - by_text["$9.99"].start_sample > 3 * (
+        by_text["to"].end_sample - by_text["to"].start_sample
+    )
+    assert words[-1].end_sample < len(pieces[0].samples)  # the final period's pause is not part of "estate"
+
+
+async def test_multi_sentence_unit_yields_each_sentence_with_its_words(engine: HibariEngine) -> None:
+    text = "Hello there. How are you today?\nI'm fine!"
+    pieces = await collect(engine, text)
+    assert len(pieces) == 3
+    assert [[text[w.char_start : w.char_end] for w in piece.words] for piece in pieces] == [
+        ["Hello", "there"],
+        ["How", "are", "you", "today"],
+        ["I'm", "fine"],
+    ]
+    assert_spans_well_formed(pieces)
+    first_piece_end = len(pieces[0].samples)
+    assert all(w.start_sample >= first_piece_end for w in pieces[1].words)
+
+
+async def test_long_sentence_split_by_the_model_keeps_words_in_their_piece(engine: HibariEngine) -> None:
+    pieces = await collect(engine, LONG_SENTENCE)
+    assert len(pieces) >= 2
+    assert_spans_well_formed(pieces)
+    written = [word.strip(",.") for word in LONG_SENTENCE.split()]
+    assert [LONG_SENTENCE[w.char_start : w.char_end] for w in all_words(pieces)] == written
+    piece_start = 0
+    for piece in pieces:
+        assert all(w.start_sample >= piece_start for w in piece.words)
+        piece_start += len(piece.samples)
+
+
+async def test_words_without_speech_get_no_span_and_odd_text_still_aligns(engine: HibariEngine) -> None:
+    text = "$ 5 and 5 $ - ok"  # the lone symbols read differently in context: proportional alignment
+    pieces = await collect(engine, text)
+    assert_spans_well_formed(pieces)
+    spoken = [text[w.char_start : w.char_end] for w in all_words(pieces)]
+    assert "-" not in spoken
+    assert spoken[-1] == "ok"
+    assert "and" in spoken
+
+
+async def test_level_is_six_db_above_raw_hibari_without_clipping(
+    engine: HibariEngine, raw_hibari: Hibari
+) -> None:
+    (phonemes,) = raw_hibari.phonemize(TOLKIEN)
+    raw = raw_hibari.from_phonemes(phonemes, seed=3)
+    levelled, _ = await engine.render_phonemes(phonemes, seed=3)
+    assert len(raw) == len(levelled)
+    assert float(np.abs(levelled).max()) <= 0.98
+    gain_db = 20 * np.log10(np.sqrt(np.mean(levelled**2)) / np.sqrt(np.mean(raw**2)))
+    assert 5.5 <= gain_db <= 6.05
+
+
+async def test_same_seed_gives_identical_audio(engine: HibariEngine) -> None:
+    first = np.concatenate([p.samples for p in await collect(engine, "Seeds make noise repeatable.", seed=7)])
+    again = np.concatenate([p.samples for p in await collect(engine, "Seeds make noise repeatable.", seed=7)])
+    other = np.concatenate([p.samples for p in await collect(engine, "Seeds make noise repeatable.", seed=8)])
+    assert np.array_equal(first, again)
+    assert not np.array_equal(first, other)
+
+
+async def test_speed_two_halves_the_duration(engine: HibariEngine) -> None:
+    normal = sum(len(p.samples) for p in await collect(engine, TOLKIEN, speed=1.0))
+    fast = sum(len(p.samples) for p in await collect(engine, TOLKIEN, speed=2.0))
+    assert 0.4 <= fast / normal <= 0.6
+
+
+@pytest.mark.parametrize("text", ["", "   \n ", "... - !"])
+async def test_text_without_speech_yields_nothing(engine: HibariEngine, text: str) -> None:
+    before = engine.stats
+    assert await collect(engine, text) == []
+    assert engine.stats.completed == before.completed + 1
+
+
+async def test_unknown_voice_is_refused_with_the_valid_names(engine: HibariEngine) -> None:
+    request = SynthesisRequest(request_id="bad", text="Hello.", voice="emma")
+    with pytest.raises(ValueError, match="heart"):
+        async for _ in engine.synthesize(request):
+            pass
+    with pytest.raises(ValueError, match="heart"):
+        HibariEngine(voice="emma")
+
+
+async def wait_for_idle_worker(engine: HibariEngine, within: float) -> float:
+    """Seconds until no chunk job runs in the engine's threads."""
+    began = time.perf_counter()
+    while engine.stats.runs_in_flight:
+        assert time.perf_counter() - began < within, "worker still busy"
+        await asyncio.sleep(0.001)
+    return time.perf_counter() - began
+
+
+async def test_cancel_terminates_the_model_run_and_frees_the_worker(engine: HibariEngine) -> None:
+    before = engine.stats
+    consumer = asyncio.create_task(collect(engine, LONG_SENTENCE))
+    began = time.perf_counter()
+    while engine.stats.runs_in_flight == 0:
+        assert time.perf_counter() - began < 5.0
+        await asyncio.sleep(0.001)
+    consumer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    assert await wait_for_idle_worker(engine, within=1.0) < 0.05  # a full chunk takes ~150 ms
+    after = engine.stats
+    assert after.cancelled == before.cancelled + 1
+    assert after.audio_seconds == before.audio_seconds  # the terminated run produced no audio
+    short = await asyncio.wait_for(collect(engine, "Still here."), timeout=1.0)
+    assert short and short[0].words
+    assert engine.stats.completed == after.completed + 1
+
+
+async def test_closing_the_iterator_after_the_first_piece_stops_the_next_chunk(engine: HibariEngine) -> None:
+    before = engine.stats
+    request = SynthesisRequest(request_id="close", text=LONG_SENTENCE, voice="heart")
+    pieces = engine.synthesize(request)
+    assert isinstance(pieces, AsyncGenerator)
+    first = await anext(pieces)
+    assert len(first.samples) > 0
+    await pieces.aclose()
+    await wait_for_idle_worker(engine, within=1.0)
+    assert engine.stats.cancelled == before.cancelled + 1
+    assert engine.stats.completed == before.completed
