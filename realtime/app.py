@@ -59,7 +59,7 @@ async def _shutdown_sessions(app: web.Application) -> None:
     ctx = app[CONTEXT]
     ctx.shutting_down = True
     deadline = time.monotonic() + ctx.settings.shutdown_grace_s
-    while any(s.busy for s in _runtimes(ctx)) and time.monotonic() < deadline:
+    while any(s.busy for s in _runtimes(ctx)) and time.monotonic() < deadline:  # noqa: ASYNC110 (bounded poll)
         await asyncio.sleep(0.05)
     await asyncio.gather(*(s.shutdown(CLOSE_GOING_AWAY, "server shutting down") for s in _runtimes(ctx)),
                          return_exceptions=True)

@@ -398,7 +398,7 @@ class SessionRuntime:
             if config.word_timestamps and config.audio_frames == "json":
                 await self._send_event(AudioChunk(
                     utterance_index=unit.utterance_index, sentence_index=unit.sentence_index,
-                    chunk_id=job.chunk_id, chunk_start_ms=0, chunk_end_ms=_ms(job.renderer.audio_ms),
+                    chunk_id=job.chunk_id, chunk_start_ms=0, chunk_end_ms=round(job.renderer.audio_ms),
                     sample_rate=config.sample_rate, channels=1, audio_b64="",
                     timestamps=[_unit_relative(w, job.offset_ms) for w in job.words]))
         stats.engine_s += job.engine_s

