@@ -24,7 +24,7 @@ Contract
 * No false splits on decimals (3.14, ３．１４), thousands (1,000), versions (1.2.3), times (10:30),
   URLs and e-mail addresses, abbreviations in `_ABBREVIATIONS` (Dr. Mr. etc. e.g. ...), dotted acronyms
   (U.S. a.m. J.R.R.), initials (a single capital letter other than "I"), numbered-list markers at the
-  start of a line ("1. Open the box"), or "No./Fig./p." before a number. A sentence end followed by a
+  start of a line or unit ("1. Open the box"), or "No./Fig./p." before a number. A sentence end followed by a
   lowercase word never splits ("Wait... what", "'Stop!' he said").
 * Choices on ambiguous text: an abbreviation or dotted acronym never ends a sentence, even before a
   capital ("etc. The" and "the U.S. Then" stay in one unit); an ellipsis followed by a capital does end

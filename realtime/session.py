@@ -26,7 +26,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from aiohttp import WSMsgType, web
-from voicewire.adapters.base import SynthesisRequest
 from voicewire.protocol.messages import (
     AudioCancelled,
     AudioChunk,
@@ -43,7 +42,7 @@ from voicewire.protocol.messages import (
     decode_client_message,
     encode_event,
 )
-from voicewire.protocol.render import RenderedPiece, RenderPlan, UnitRenderer, place_words, plan_speed
+from voicewire.protocol.render import RenderedPiece, UnitRenderer, place_words
 from voicewire.protocol.session import (
     CLOSE_POLICY,
     Action,
@@ -56,6 +55,7 @@ from voicewire.protocol.session import (
     Unit,
 )
 from voicewire.realtime.context import ServerContext
+from voicewire.realtime.pipeline import render_plan, synthesis_request, synthesize_unit
 
 log = logging.getLogger("voicewire.session")
 
@@ -246,12 +246,8 @@ class SessionRuntime:
         if stats.committed_first_ms is None:
             stats.committed_first_ms = unit.committed_ms
         config = unit.config
-        info = self.ctx.engine.info
-        engine_speed, stretch = plan_speed(config.speed, info.capabilities.speed_range)
-        plan = RenderPlan(response_format=config.response_format, stream=config.stream_audio,
-                          native_rate=info.sample_rate, output_rate=config.sample_rate,
-                          engine_speed=engine_speed, stretch=stretch)
-        job = UnitJob(unit, UnitRenderer(plan), deadline_offset_s=stats.estimated_s)
+        renderer = UnitRenderer(render_plan(config, self.ctx.engine.info))
+        job = UnitJob(unit, renderer, deadline_offset_s=stats.estimated_s)
         stats.estimated_s += len(unit.text) * SECONDS_PER_CHAR_ESTIMATE / config.speed
         self._outq.append(job)
         self._pump()
@@ -306,21 +302,16 @@ class SessionRuntime:
 
     async def _synthesize(self, job: UnitJob) -> None:
         unit = job.unit
-        request = SynthesisRequest(
-            request_id=f"{self.session_id}-{unit.utterance_index}-{unit.sentence_index}",
-            text=unit.text, voice=unit.config.voice, speed=job.renderer.plan.engine_speed,
-            language=unit.config.language, seed=unit.config.seed, instructions=unit.config.instructions)
+        request = synthesis_request(f"{self.session_id}-{unit.utterance_index}-{unit.sentence_index}",
+                                    unit.text, unit.config, job.renderer.plan)
+
+        def sink(piece: RenderedPiece) -> None:
+            job.outbox.append(piece)
+            self._wake.set()
+
         try:
-            async with self.scheduler.slot(self._deadline(job)):
-                self.engine_requests_started += 1
-                started = time.monotonic()
-                try:
-                    async for piece in self.ctx.engine.synthesize(request):
-                        job.outbox.append(job.renderer.feed(piece))
-                        self._wake.set()
-                finally:
-                    job.engine_s = time.monotonic() - started
-            job.outbox.append(job.renderer.finish())
+            self.engine_requests_started += 1
+            job.engine_s = await synthesize_unit(self.ctx, request, job.renderer, self._deadline(job), sink)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -402,7 +393,6 @@ class SessionRuntime:
                     sample_rate=config.sample_rate, channels=1, audio_b64="",
                     timestamps=[_unit_relative(w, job.offset_ms) for w in job.words]))
         stats.engine_s += job.engine_s
-        self.ctx.metrics.engine_busy.inc(job.engine_s)
         await self._send_event(AudioDone(
             utterance_index=unit.utterance_index, sentence_index=unit.sentence_index,
             total_bytes=job.bytes_sent, error=job.failure is not None, audio_ms=_ms(job.renderer.audio_ms)))

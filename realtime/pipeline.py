@@ -1,0 +1,46 @@
+"""One unit through the shared path: scheduler slot, engine, renderer. Used by WebSocket and REST alike."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from voicewire.adapters.base import EngineInfo, SynthesisRequest
+from voicewire.protocol.messages import EffectiveConfig
+from voicewire.protocol.render import RenderedPiece, RenderPlan, UnitRenderer, plan_speed
+from voicewire.realtime.context import ServerContext
+
+
+def render_plan(config: EffectiveConfig, info: EngineInfo, *, stream: bool | None = None) -> RenderPlan:
+    """How a unit under `config` is rendered: engine speed, extra time-stretch, rates, format."""
+    engine_speed, stretch = plan_speed(config.speed, info.capabilities.speed_range)
+    return RenderPlan(response_format=config.response_format,
+                      stream=config.stream_audio if stream is None else stream,
+                      native_rate=info.sample_rate, output_rate=config.sample_rate,
+                      engine_speed=engine_speed, stretch=stretch)
+
+
+def synthesis_request(request_id: str, text: str, config: EffectiveConfig, plan: RenderPlan) -> SynthesisRequest:
+    return SynthesisRequest(request_id=request_id, text=text, voice=config.voice, speed=plan.engine_speed,
+                            language=config.language, seed=config.seed, instructions=config.instructions)
+
+
+async def synthesize_unit(ctx: ServerContext, request: SynthesisRequest, renderer: UnitRenderer, deadline: float,
+                          sink: Callable[[RenderedPiece], None]) -> float:
+    """Run one unit: wait for an engine slot (earliest `deadline` first), pass each rendered piece to
+    `sink` as the engine yields it, then the renderer's tail. Returns the engine seconds spent.
+
+    Cancelling the caller cancels the wait or closes the engine iterator (the engine's cancel API).
+    Engine exceptions propagate after the slot is released.
+    """
+    assert ctx.scheduler is not None
+    async with ctx.scheduler.slot(deadline):
+        started = time.monotonic()
+        try:
+            async for piece in ctx.engine.synthesize(request):
+                sink(renderer.feed(piece))
+        finally:
+            engine_s = time.monotonic() - started
+            ctx.metrics.engine_busy.inc(engine_s)
+    sink(renderer.finish())
+    return engine_s
