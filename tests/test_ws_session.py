@@ -212,7 +212,7 @@ async def test_whole_wav_per_unit_at_requested_rate_and_speed(server: ServerThre
 async def test_full_server_refuses_with_1013() -> None:
     from voicewire.realtime.settings import Settings
 
-    srv = ServerThread(Settings(max_sessions=1, engine="null"))
+    srv = ServerThread(Settings(max_sessions=1))
     try:
         async with websockets.connect(srv.ws_url) as first:
             await configure(first)
