@@ -8,7 +8,8 @@ Contract
 * Coverage. The `Segment`s returned by `push`, `poll` and `flush`, in order, are contiguous and cover the
   utterance exactly: concatenating their `text` gives every delta pushed since `reset()`, whitespace
   included. `Segment.start`/`end` are offsets into that utterance text. Whitespace after a boundary
-  belongs to the earlier segment, so every segment but the first starts with a non-space character.
+  belongs to the earlier segment, so every segment but the first starts with a non-space character
+  (unless a timer cut, below, committed the text before it).
 * No whitespace-only segments, except one: `flush()` returns the pending text as one segment even when it
   is only whitespace (callers skip segments with nothing speakable). Segments are never empty.
 * Determinism. Boundaries depend only on the text, never on how it was cut into deltas: a boundary is
