@@ -12,7 +12,6 @@ import re
 import jiwer
 import numpy as np
 import numpy.typing as npt
-
 from voicewire.protocol.audio import resample
 
 WHISPER_RATE = 16000
