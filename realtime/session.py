@@ -118,14 +118,21 @@ class SessionRuntime:
         self._close: Close | None = None
         self._last_activity = time.monotonic()
         self._unit_tasks: set[asyncio.Task[None]] = set()
+        self._reader_task: asyncio.Task[None] | None = None
         self.engine_requests_started = 0
 
     # -- reader ---------------------------------------------------------------------------------
 
     async def run(self) -> None:
         writer = asyncio.create_task(self._write_loop(), name=f"{self.session_id}-writer")
+        reader = self._reader_task = asyncio.create_task(self._read_loop(), name=f"{self.session_id}-reader")
         try:
-            await self._read_loop()
+            await reader
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                reader.cancel()
+                raise
         finally:
             self._cancel_everything()
             if self._close is not None and not writer.done():
@@ -447,6 +454,8 @@ class SessionRuntime:
             self._close = Close(CLOSE_POLICY, "client stalled: not reading")
             self._cancel_everything()
             self._control.clear()
+            if self._reader_task is not None:
+                self._reader_task.cancel()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.ws.close(code=CLOSE_POLICY, message=b"client stalled"), 1.0)
         except ConnectionResetError:
