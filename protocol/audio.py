@@ -90,7 +90,8 @@ def _build_mulaw_table() -> NDArray[np.uint8]:
     seg_end = np.array([0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF, 0x1FFF])
     seg = np.searchsorted(seg_end, val, side="left")
     code = np.where(seg >= 8, 0x7F, (np.minimum(seg, 7) << 4) | ((val >> (seg + 1)) & 0xF))
-    return (code ^ mask).astype(np.uint8)
+    table: NDArray[np.uint8] = (code ^ mask).astype(np.uint8)
+    return table
 
 
 def _build_alaw_table() -> NDArray[np.uint8]:
@@ -103,7 +104,8 @@ def _build_alaw_table() -> NDArray[np.uint8]:
     seg = np.searchsorted(seg_end, val, side="left")
     mantissa = np.where(seg < 2, val >> 1, val >> np.maximum(seg, 1)) & 0xF
     code = np.where(seg >= 8, 0x7F, (np.minimum(seg, 7) << 4) | mantissa)
-    return (code ^ mask).astype(np.uint8)
+    table: NDArray[np.uint8] = (code ^ mask).astype(np.uint8)
+    return table
 
 
 def _build_mulaw_decode_table() -> FloatArray:
