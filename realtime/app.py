@@ -9,6 +9,7 @@ sessions finish their audio for up to `shutdown_grace_s`, then closes them with 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -43,16 +44,30 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
 
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """Load and warm the engine in the background, so `/health` answers while it loads; `/ready` and the
+    speech routes turn on when it is warm. A failed start is reported by `/health` (500) and logged."""
     ctx = app[CONTEXT]
-    started = time.monotonic()
-    await ctx.engine.start()
-    ctx.on_engine_started()
-    log.info("engine %s ready in %.2f s", ctx.engine.info.name, time.monotonic() - started)
+    starting = asyncio.create_task(_start_engine(ctx))
     try:
         yield
     finally:
         ctx.ready = False
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
         await ctx.engine.close()
+
+
+async def _start_engine(ctx: ServerContext) -> None:
+    started = time.monotonic()
+    try:
+        await ctx.engine.start()
+        ctx.on_engine_started()
+    except Exception as exc:
+        ctx.engine_error = f"{type(exc).__name__}: {exc}"
+        log.exception("engine %s failed to start", ctx.settings.engine)
+        return
+    log.info("engine %s ready in %.2f s", ctx.engine.info.name, time.monotonic() - started)
 
 
 async def _shutdown_sessions(app: web.Application) -> None:
@@ -70,7 +85,10 @@ def _runtimes(ctx: ServerContext) -> list[SessionRuntime]:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness: the process serves HTTP."""
+    """Liveness: the process serves HTTP and its engine has not failed to start (500 if it has)."""
+    ctx = request.app[CONTEXT]
+    if ctx.engine_error is not None:
+        return web.json_response({"status": "error", "engine_error": ctx.engine_error}, status=500)
     return web.json_response({"status": "ok"})
 
 

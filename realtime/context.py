@@ -23,6 +23,7 @@ class ServerContext:
     scheduler: Scheduler | None = None
     facts: ServerFacts | None = None
     ready: bool = False
+    engine_error: str | None = None
     shutting_down: bool = False
     sessions: set[object] = field(default_factory=set)
     _ids: itertools.count[int] = field(default_factory=itertools.count)

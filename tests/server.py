@@ -64,8 +64,13 @@ class ServerThread:
         self.loop.run_forever()
 
     async def _start(self) -> None:
+        """Listen, then wait until the engine is warm (the server answers /health meanwhile)."""
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        while not self.ctx.ready:
+            if self.ctx.engine_error is not None:
+                raise RuntimeError(self.ctx.engine_error)
+            await asyncio.sleep(0.02)
 
     def call(self, fn: Callable[[], Coroutine[Any, Any, T]], timeout: float = 30.0) -> T:
         """Run a coroutine on the server's loop (for inspecting server state safely)."""
