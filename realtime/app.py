@@ -11,13 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
+import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from aiohttp import web
 from voicewire.adapters.base import Engine
 from voicewire.adapters.registry import create_engine
+from voicewire.realtime.auth import IDENTITY, AccessControl, Identity, access_middleware
 from voicewire.realtime.context import ServerContext
+from voicewire.realtime.openai_errors import OpenAIError
+from voicewire.realtime.rest import add_rest_routes
 from voicewire.realtime.session import SessionRuntime
 from voicewire.realtime.settings import Settings
 
@@ -26,21 +32,48 @@ log = logging.getLogger("voicewire")
 CONTEXT: web.AppKey[ServerContext] = web.AppKey("voicewire_context", ServerContext)
 CLOSE_GOING_AWAY = 1001
 CLOSE_TRY_AGAIN_LATER = 1013
+KEY_FILE_POLL_S = 2.0
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> web.Application:
     """Build the app. `engine` defaults to the one named by `settings.engine` (not started yet)."""
     settings = settings or Settings()
     engine = engine or create_engine(settings.engine, workers=settings.engine_workers)
-    ctx = ServerContext(settings=settings, engine=engine)
-    app = web.Application(client_max_size=settings.max_config_bytes)
+    access = AccessControl(settings)
+    ctx = ServerContext(settings=settings, engine=engine, access=access)
+    app = web.Application(client_max_size=settings.max_config_bytes, middlewares=[access_middleware(access)])
     app[CONTEXT] = ctx
     app.cleanup_ctx.append(_engine_lifecycle)
+    app.cleanup_ctx.append(_key_rotation)
     app.on_shutdown.append(_shutdown_sessions)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/v1/audio/speech/stream", speech_stream)
+    add_rest_routes(app, ctx)
+    add_client_routes(app)
     return app
+
+
+CLIENTS_JS_DIR = Path(__file__).resolve().parent.parent / "clients" / "js"
+"""The browser client and demo page, in the source tree (an editable install serves them from there)."""
+
+
+def add_client_routes(app: web.Application, folder: Path = CLIENTS_JS_DIR) -> None:
+    """Serve the demo page at `/` and the browser client's files under `/clients/`.
+
+    Does nothing when `folder` is missing (an installed wheel carries no `clients/js`): the demo is a
+    source-tree convenience, never needed by the API.
+    """
+    index = folder / "index.html"
+    if not index.is_file():
+        log.info("no browser client at %s; the demo page is not served", folder)
+        return
+
+    async def demo_page(request: web.Request) -> web.FileResponse:
+        return web.FileResponse(index, headers={"Cache-Control": "no-cache"})
+
+    app.router.add_get("/", demo_page)
+    app.router.add_static("/clients/", folder)
 
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -102,23 +135,61 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def speech_stream(request: web.Request) -> web.StreamResponse:
-    """`GET /v1/audio/speech/stream`: one realtime synthesis session per WebSocket."""
+    """`GET /v1/audio/speech/stream`: one realtime synthesis session per WebSocket.
+
+    Refused before the upgrade: not ready (503), over the key's or address's session cap (429). Refused
+    after it, with close code 1013: the server already has `max_sessions` sessions.
+    """
     ctx = request.app[CONTEXT]
     if not ctx.ready or ctx.shutting_down:
-        raise web.HTTPServiceUnavailable(text="engine not ready")
-    ws = web.WebSocketResponse(max_msg_size=ctx.settings.max_config_bytes, heartbeat=20.0)
-    await ws.prepare(request)
-    if len(ctx.sessions) >= ctx.settings.max_sessions:
-        ctx.metrics.sessions_refused.inc()
-        await ws.close(code=CLOSE_TRY_AGAIN_LATER, message=b"server full")
-        return ws
-    runtime = SessionRuntime(ws, ctx)
-    ctx.sessions.add(runtime)
-    ctx.metrics.sessions_total.inc()
-    ctx.metrics.sessions_open.inc()
+        return OpenAIError(503, "The engine is not ready; retry shortly", code="not_ready").response()
+    who: Identity = request[IDENTITY]
     try:
-        await runtime.run()
+        ctx.access.open_session(who)
+    except OpenAIError as exc:
+        ctx.metrics.sessions_refused.inc()
+        return exc.response()
+    try:
+        ws = web.WebSocketResponse(max_msg_size=ctx.settings.max_config_bytes, heartbeat=20.0)
+        await ws.prepare(request)
+        if len(ctx.sessions) >= ctx.settings.max_sessions:
+            ctx.metrics.sessions_refused.inc()
+            await ws.close(code=CLOSE_TRY_AGAIN_LATER, message=b"server full")
+            return ws
+        runtime = SessionRuntime(ws, ctx)
+        ctx.sessions.add(runtime)
+        ctx.metrics.sessions_total.inc()
+        ctx.metrics.sessions_open.inc()
+        try:
+            await runtime.run()
+        finally:
+            ctx.sessions.discard(runtime)
+            ctx.metrics.sessions_open.dec()
+        return ws
     finally:
-        ctx.sessions.discard(runtime)
-        ctx.metrics.sessions_open.dec()
-    return ws
+        ctx.access.close_session(who)
+
+
+async def _key_rotation(app: web.Application) -> AsyncIterator[None]:
+    """Re-read the API key file on SIGHUP (main thread only) and whenever its modification time changes."""
+    keys = app[CONTEXT].access.keys
+    if keys.file is None:
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    on_sighup = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP")
+    if on_sighup:
+        loop.add_signal_handler(signal.SIGHUP, lambda: keys.reload(force=True))
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(KEY_FILE_POLL_S)
+            keys.reload()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        if on_sighup:
+            loop.remove_signal_handler(signal.SIGHUP)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+from pathlib import Path
 
 from aiohttp import web
 from voicewire.adapters.registry import ENGINE_NAMES
@@ -24,6 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-workers", type=int, default=defaults.engine_workers,
                        help="engine requests computed at once (hibari: threads, about one core each)")
     serve.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
+    auth = serve.add_argument_group("access")
+    auth.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                      help="an accepted API key (repeatable); also read from $VOICEWIRE_API_KEYS, comma-separated")
+    auth.add_argument("--api-keys-file", type=Path, help="one key per line; re-read on SIGHUP and on change")
+    auth.add_argument("--no-auth", action="store_true",
+                      help="serve without API keys: anyone who reaches the port can use it (development only)")
+    auth.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
+                      help="a browser origin allowed to open WebSockets besides the server's own (repeatable)")
+    auth.add_argument("--trust-forwarded-for", action="store_true",
+                      help="take client addresses from X-Forwarded-For (only behind a proxy that sets it)")
     serve.add_argument("--log-level", default="INFO")
     return parser
 
@@ -34,15 +46,23 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["serve", *argv]
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    env_keys = [k.strip() for k in os.environ.get("VOICEWIRE_API_KEYS", "").split(",") if k.strip()]
     settings = Settings(host=args.host, port=args.port, engine=args.engine, engine_workers=args.engine_workers,
-                        max_sessions=args.max_sessions)
+                        max_sessions=args.max_sessions, api_keys=(*args.api_key, *env_keys),
+                        api_keys_file=args.api_keys_file, allow_unauthenticated=args.no_auth,
+                        allowed_origins=tuple(args.allowed_origin), trust_forwarded_for=args.trust_forwarded_for)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:
+        print(f"voicewire: {exc}", file=sys.stderr)
+        return 2
     try:
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         logging.getLogger("voicewire").info("uvloop not installed; using the default event loop")
-    web.run_app(create_app(settings), host=settings.host, port=settings.port,
+    web.run_app(app, host=settings.host, port=settings.port,
                 shutdown_timeout=settings.shutdown_grace_s + 5.0, print=None)
     return 0
 

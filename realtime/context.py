@@ -1,4 +1,4 @@
-"""What every session and request of one server shares: engine, scheduler, settings, metrics."""
+"""What every session and request of one server shares: engine, scheduler, settings, metrics, voices."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from voicewire.adapters.base import Engine
 from voicewire.protocol.messages import EngineDescription, Limits
 from voicewire.protocol.session import ServerFacts
+from voicewire.realtime.auth import AccessControl
 from voicewire.realtime.metrics import Metrics
 from voicewire.realtime.scheduler import Scheduler
 from voicewire.realtime.settings import OPENAI_VOICE_NAMES, Settings
+from voicewire.realtime.voices import VoiceStore
 
 
 @dataclass(slots=True)
@@ -19,6 +21,7 @@ class ServerContext:
 
     settings: Settings
     engine: Engine
+    access: AccessControl
     metrics: Metrics = field(default_factory=Metrics)
     scheduler: Scheduler | None = None
     facts: ServerFacts | None = None
@@ -26,6 +29,8 @@ class ServerContext:
     engine_error: str | None = None
     shutting_down: bool = False
     sessions: set[object] = field(default_factory=set)
+    voices: VoiceStore | None = None
+    """Uploaded voices (set up with the REST routes); resolved by name after the engine's own voices."""
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def next_id(self, prefix: str) -> str:
@@ -57,8 +62,12 @@ class ServerContext:
             supports_instructions=caps.instructions,
             supports_seed=caps.seed,
             supports_codec_chunking=caps.codec_frames,
+            voice_exists=self._uploaded_voice_exists,
         )
         self.ready = True
+
+    def _uploaded_voice_exists(self, name: str) -> bool:
+        return self.voices is not None and name in self.voices
 
 
 def _language_names(codes: tuple[str, ...]) -> frozenset[str]:

@@ -28,6 +28,8 @@ class Metrics:
         self.errors = Counter("voicewire_errors", "Errors sent to clients by code", ["code"], registry=r)
         self.requests = Counter("voicewire_http_requests", "REST requests by route and status",
                                 ["route", "status"], registry=r)
+        self.rest_in_flight = Gauge("voicewire_rest_speech_in_flight", "REST speech requests synthesizing now",
+                                    registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

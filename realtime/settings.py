@@ -6,6 +6,7 @@ Settings come from `voicewire serve` flags (see `cli.py`) or are built directly 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 OPENAI_VOICE_NAMES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage",
                       "shimmer", "verse", "marin", "cedar")
@@ -37,6 +38,31 @@ class Settings:
     max_pending_events: int = 256
     """Control events queued for a client that is not reading; past this the session is closed."""
     shutdown_grace_s: float = 10.0
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: Path | None = None
+    """One key per line; re-read on SIGHUP and when it changes."""
+    allow_unauthenticated: bool = False
+    """Run with no API keys at all (development only; logged as a warning)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Browser origins (besides the server's own) that may open WebSockets; "*" allows any."""
+    max_sessions_per_key: int = 32
+    max_sessions_per_ip: int = 32
+    rest_requests_per_minute: float = 600.0
+    rest_burst: float = 60.0
+    trust_forwarded_for: bool = False
+    """Take the client address from X-Forwarded-For (only behind a proxy that sets it)."""
     voice_aliases: dict[str, str] = field(default_factory=dict)
     """Extra voice names (OpenAI's by default) mapped onto engine voices; filled in by the app."""
     model_aliases: tuple[str, ...] = OPENAI_MODEL_NAMES
+    max_input_chars: int = 4096
+    """Longest `input` of one REST speech request (OpenAI's limit)."""
+    max_rest_requests: int = 64
+    """REST speech requests synthesizing at once; one more is refused with 503."""
+    batch_max_items: int = 32
+    """Items of one `POST /v1/audio/speech/batch` request."""
+    voices_dir: Path | None = None
+    """Where uploaded voices are stored; None: `$XDG_DATA_HOME/voicewire/voices` (~/.local/share/...)."""
+    max_voices: int = 1000
+    """Uploaded voices kept; an upload past the cap is refused (400)."""
+    max_voice_upload_bytes: int = 10 * 1024 * 1024
+    """Largest voice sample upload (413 past it)."""

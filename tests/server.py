@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 from collections.abc import Callable, Coroutine
@@ -24,11 +25,17 @@ def free_port() -> int:
 
 
 class ServerThread:
-    """Starts `create_app(settings, engine)` on 127.0.0.1 in a daemon thread; `stop()` shuts it down."""
+    """Starts `create_app(settings, engine)` on 127.0.0.1 in a daemon thread; `stop()` shuts it down.
+
+    Settings without API keys run the server open (`allow_unauthenticated`); tests of auth pass keys.
+    """
 
     def __init__(self, settings: Settings | None = None, engine: Engine | None = None) -> None:
         self.port = free_port()
-        self.settings = settings or Settings()
+        settings = settings or Settings()
+        if not settings.api_keys and settings.api_keys_file is None:
+            settings = dataclasses.replace(settings, allow_unauthenticated=True)
+        self.settings = settings
         self.app = create_app(self.settings, engine)
         self.loop = asyncio.new_event_loop()
         self._runner = web.AppRunner(self.app, shutdown_timeout=5.0)

@@ -30,7 +30,7 @@ def get(url: str) -> tuple[int, dict[str, object]]:
 @pytest.fixture
 def process() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "voicewire.realtime", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "voicewire.realtime", "--port", str(port), "--no-auth"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
     try:
         yield proc, port

@@ -1,0 +1,437 @@
+"""Realtime capacity: the most concurrent sessions that never run dry, against the engine's own ceiling.
+
+The server runs as its own process (`python -m voicewire.realtime --engine-workers W`, uvloop); the
+clients run here, one asyncio task per session over the real `websockets` library. Each session speaks
+reply after reply like a voice agent: the reply's text (2-3 random sentences) is sent as ~4-character
+deltas at an LLM's pace (15 tokens/s by default) in `sentence` mode with streamed `pcm`, then
+`input.done`; the next reply starts once the previous one has finished playing (plus `--gap`).
+
+Playback model, per reply: playback starts at the reply's first audio byte and plays in real time; a
+binary frame that arrives after everything before it would have finished playing is an *underrun*, and
+playback pauses until it arrives (the pause is that session's *stall time*). TTFA is from sending the
+delta that completes the first unit (the server's own segmenter, run here on the same deltas, says which)
+to the first audio byte.
+
+The search doubles N from `--start` until a trial has an underrun, then bisects. Before the trials, with
+the server idle, an in-process `HibariEngine(workers=W)` runs flat out on the same sentences: its
+aggregate real-time factor (audio seconds per wall second) is the ceiling, the number of real-time
+streams the engine alone sustains on this machine. Server CPU per thread (event loop vs the rest) and
+the client's own loop lag are reported so a failed trial can be blamed on the right party.
+
+Run from the repository root: `python -m bench.capacity` (see `--help`; docs/benchmarks.md has results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import aiohttp
+import websockets
+from voicewire.adapters.base import SynthesisRequest
+from voicewire.adapters.hibari import HibariEngine
+from websockets.asyncio.client import ClientConnection
+
+from bench.workload import SENTENCES, dump_json, first_unit, percentile, table, tokens, utterance
+from tests.server import free_port
+
+BYTES_PER_SECOND = 24000 * 2
+"""pcm s16le mono at the engine's native 24 kHz (the bench asks for no resampling)."""
+
+Compression = Literal["deflate", "none"]
+
+
+@dataclass
+class Reply:
+    """One utterance as a client heard it."""
+
+    ttfa_s: float
+    audio_s: float
+    underruns: int
+    stall_s: float
+    units: int
+
+
+@dataclass
+class Trial:
+    sessions: int
+    replies: list[Reply] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    server_loop_cpu: float = 0.0
+    server_other_cpu: float = 0.0
+    server_runq_wait: float = 0.0
+    client_cpu: float = 0.0
+    client_lag_max_ms: float = 0.0
+
+    @property
+    def underruns(self) -> int:
+        return sum(r.underruns for r in self.replies)
+
+    @property
+    def passed(self) -> bool:
+        return not self.errors and self.underruns == 0 and bool(self.replies)
+
+    def summary(self) -> dict[str, float | int | bool]:
+        ttfa = [r.ttfa_s * 1000.0 for r in self.replies]
+        audio = sum(r.audio_s for r in self.replies)
+        return {
+            "sessions": self.sessions, "passed": self.passed, "replies": len(self.replies),
+            "units": sum(r.units for r in self.replies), "underruns": self.underruns,
+            "stall_total_s": sum(r.stall_s for r in self.replies),
+            "stall_max_s": max((r.stall_s for r in self.replies), default=0.0), "errors": len(self.errors),
+            "ttfa_p50_ms": percentile(ttfa, 50), "ttfa_p95_ms": percentile(ttfa, 95),
+            "ttfa_max_ms": max(ttfa, default=float("nan")),
+            "streams_served": audio / self.wall_s if self.wall_s else 0.0,
+            "server_loop_cpu": self.server_loop_cpu, "server_other_cpu": self.server_other_cpu,
+            "server_runq_wait": self.server_runq_wait,
+            "client_cpu": self.client_cpu, "client_lag_max_ms": self.client_lag_max_ms,
+        }
+
+
+# -- ceiling ----------------------------------------------------------------------------------------------
+
+
+async def engine_ceiling(workers: int, seconds: float, seed: int) -> dict[str, float]:
+    """Aggregate real-time factor of a started `HibariEngine(workers)` kept saturated for `seconds`."""
+    engine = HibariEngine(workers=workers)
+    await engine.start()
+    rng = random.Random(seed)
+    audio_samples = 0
+    requests = 0
+    deadline = time.monotonic() + seconds
+
+    async def feeder(index: int) -> None:
+        nonlocal audio_samples, requests
+        while time.monotonic() < deadline:
+            requests += 1
+            request = SynthesisRequest(f"ceiling-{index}-{requests}", rng.choice(SENTENCES), engine.info.voices[0])
+            async for piece in engine.synthesize(request):
+                audio_samples += len(piece.samples)
+
+    try:
+        started = time.monotonic()
+        before = _schedstat(os.getpid())
+        # two feeders per worker, so a worker never waits for the event loop to hand it the next job
+        await asyncio.gather(*(feeder(i) for i in range(2 * workers)))
+        wall = time.monotonic() - started
+        after = _schedstat(os.getpid())
+    finally:
+        await engine.close()
+    rtf = audio_samples / engine.info.sample_rate / wall
+    return {"aggregate_rtf": rtf, "seconds": wall, "requests": requests,
+            "cpu": (after[0] + after[1] - before[0] - before[1]) / wall, "runq_wait": (after[2] - before[2]) / wall}
+
+
+# -- one session ------------------------------------------------------------------------------------------
+
+
+class Session:
+    def __init__(self, ws: ClientConnection, rng: random.Random, args: argparse.Namespace, trial: Trial) -> None:
+        self.ws = ws
+        self.rng = rng
+        self.args = args
+        self.trial = trial
+
+    async def run(self, start_at: float, stop_at: float) -> None:
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        while time.monotonic() < stop_at:
+            text = utterance(self.rng, self.rng.randint(2, 3))
+            reply, plays_until = await self.reply(text)
+            if reply is None:
+                return
+            self.trial.replies.append(reply)
+            await asyncio.sleep(max(0.0, plays_until - time.monotonic()) + self.rng.uniform(0, 2 * self.args.gap))
+
+    async def reply(self, text: str) -> tuple[Reply | None, float]:
+        deltas = tokens(text)
+        found = first_unit(deltas, "sentence")
+        commit_index = found[0] if found is not None else len(deltas)
+        committed_at: list[float] = []
+
+        async def send_text() -> None:
+            began = time.monotonic()
+            for index, delta in enumerate(deltas):
+                await asyncio.sleep(max(0.0, began + index / self.args.tokens_per_s - time.monotonic()))
+                if index == commit_index:
+                    committed_at.append(time.monotonic())
+                await self.ws.send(json.dumps({"type": "input.text", "text": delta}))
+            await asyncio.sleep(max(0.0, began + len(deltas) / self.args.tokens_per_s - time.monotonic()))
+            if commit_index == len(deltas):
+                committed_at.append(time.monotonic())
+            await self.ws.send(json.dumps({"type": "input.done"}))
+
+        sender = asyncio.create_task(send_text())
+        frames: list[tuple[float, int]] = []
+        units = 0
+        try:
+            while True:
+                frame = await self.ws.recv()
+                if isinstance(frame, bytes):
+                    frames.append((time.monotonic(), len(frame)))
+                    continue
+                event = json.loads(frame)
+                kind = event["type"]
+                if kind == "audio.done":
+                    units += 1
+                elif kind == "session.done":
+                    break
+                elif kind == "error":
+                    self.trial.errors.append(f"{event.get('code')}: {event.get('message')}")
+        except websockets.ConnectionClosed as exc:
+            self.trial.errors.append(f"connection closed: {exc}")
+            sender.cancel()
+            return None, 0.0
+        await sender
+        if not frames:
+            self.trial.errors.append("reply without audio")
+            return None, 0.0
+        underruns, stall, plays_until = _playback(frames)
+        ttfa = frames[0][0] - committed_at[0]
+        audio_s = sum(n for _, n in frames) / BYTES_PER_SECOND
+        return Reply(ttfa, audio_s, underruns, stall, units), plays_until
+
+
+def _playback(frames: list[tuple[float, int]]) -> tuple[int, float, float]:
+    """Real-time playback from the first frame: (underruns, stall seconds, when playback ends)."""
+    underruns = 0
+    stall = 0.0
+    plays_until = frames[0][0]
+    for index, (arrived, size) in enumerate(frames):
+        if index and arrived > plays_until:
+            underruns += 1
+            stall += arrived - plays_until
+        plays_until = max(plays_until, arrived) + size / BYTES_PER_SECOND
+    return underruns, stall, plays_until
+
+
+# -- trials -----------------------------------------------------------------------------------------------
+
+
+class ServerProcess:
+    """`python -m voicewire.realtime` on a free loopback port; the first thread is its event loop."""
+
+    def __init__(self, workers: int) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "voicewire.realtime", "--port", str(self.port), "--engine-workers",
+             str(workers), "--max-sessions", "10000", "--no-auth", "--log-level", "WARNING"])
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/audio/speech/stream"
+
+    async def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}")
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"http://127.0.0.1:{self.port}/ready") as response:
+                        if response.status == 200:
+                            return
+                await asyncio.sleep(0.2)
+        raise TimeoutError("server not ready")
+
+    def cpu_seconds(self) -> tuple[float, float, float]:
+        """(event-loop thread CPU, all other threads' CPU, all threads' run-queue wait) seconds so far;
+        the wait is time a runnable thread spent waiting for a core (the machine was oversubscribed)."""
+        return _schedstat(self.proc.pid)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def trial(server: ServerProcess, n: int, args: argparse.Namespace) -> Trial:
+    result = Trial(n)
+    compression = None if args.compression == "none" else "deflate"
+    connect_limit = asyncio.Semaphore(32)
+
+    async def connect(index: int) -> ClientConnection:
+        # each session from its own loopback address, as distinct users are (the server caps sessions per address)
+        source = f"127.0.{1 + index // 250}.{1 + index % 250}"
+        async with connect_limit:
+            ws = await websockets.connect(server.ws_url, max_size=None, compression=compression,
+                                          ping_interval=None, local_addr=(source, 0))
+            await ws.send(json.dumps({"type": "session.config", "response_format": "pcm", "stream_audio": True,
+                                      "split_granularity": "sentence"}))
+            updated = json.loads(await ws.recv())
+            if updated["type"] != "session.updated":
+                raise RuntimeError(f"config refused: {updated}")
+            return ws
+
+    sockets = await asyncio.gather(*(connect(i) for i in range(n)))
+    lag = _LoopLag()
+    lag_task = asyncio.create_task(lag.run())
+    rng = random.Random(args.seed * 1000 + n)
+    start = time.monotonic() + 0.2
+    stop = start + args.duration
+    cpu_before = server.cpu_seconds()
+    client_before = time.process_time()
+    try:
+        await asyncio.gather(*(
+            Session(ws, random.Random(rng.random()), args, result).run(start + rng.uniform(0, args.ramp), stop)
+            for ws in sockets))
+    finally:
+        result.wall_s = time.monotonic() - start
+        cpu_after = server.cpu_seconds()
+        result.server_loop_cpu = (cpu_after[0] - cpu_before[0]) / result.wall_s
+        result.server_other_cpu = (cpu_after[1] - cpu_before[1]) / result.wall_s
+        result.server_runq_wait = (cpu_after[2] - cpu_before[2]) / result.wall_s
+        result.client_cpu = (time.process_time() - client_before) / result.wall_s
+        lag_task.cancel()
+        result.client_lag_max_ms = lag.max_ms
+        await asyncio.gather(*(ws.close() for ws in sockets), return_exceptions=True)
+    return result
+
+
+def _schedstat(pid: int) -> tuple[float, float, float]:
+    """(main thread CPU, other threads' CPU, run-queue wait of all threads) seconds of process `pid`."""
+    main = other = wait = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            run_ns, wait_ns, _ = f.read().split()
+        if int(tid) == pid:
+            main += int(run_ns) / 1e9
+        else:
+            other += int(run_ns) / 1e9
+        wait += int(wait_ns) / 1e9
+    return main, other, wait
+
+
+class _LoopLag:
+    """How late this process's event loop wakes from a 10 ms sleep (a starved client misjudges arrivals)."""
+
+    def __init__(self) -> None:
+        self.max_ms = 0.0
+
+    async def run(self) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.01)
+            self.max_ms = max(self.max_ms, (time.monotonic() - before - 0.01) * 1000.0)
+
+
+@dataclass
+class SearchResult:
+    ceiling: dict[str, float]
+    max_sessions: int
+    trials: list[Trial]
+
+    @property
+    def best(self) -> Trial | None:
+        return next((t for t in self.trials if t.sessions == self.max_sessions and t.passed), None)
+
+    def as_dict(self) -> dict[str, object]:
+        best = self.best
+        return {"ceiling": self.ceiling, "max_sessions": self.max_sessions,
+                "best": best.summary() if best else None, "trials": [t.summary() for t in self.trials]}
+
+
+async def search(args: argparse.Namespace) -> SearchResult:
+    ceiling = await engine_ceiling(args.engine_workers, args.ceiling_s, args.seed)
+    print(f"engine ceiling: aggregate RTF {ceiling['aggregate_rtf']:.1f} "
+          f"({ceiling['requests']:.0f} requests in {ceiling['seconds']:.1f} s, workers={args.engine_workers}, "
+          f"cpu {ceiling['cpu']:.2f} cores, run-queue wait {ceiling['runq_wait']:.2f})",
+          flush=True)
+    server = ServerProcess(args.engine_workers)
+    trials: list[Trial] = []
+    try:
+        await server.wait_ready()
+        lo, hi = 0, None
+        n = args.sessions or args.start
+        while len(trials) < args.max_trials:
+            result = await trial(server, n, args)
+            trials.append(result)
+            s = result.summary()
+            print(f"N={n:4d} {'pass' if result.passed else 'FAIL'}  underruns {s['underruns']}  "
+                  f"stall {s['stall_total_s']:.2f} s  ttfa p95 {s['ttfa_p95_ms']:.0f} ms  "
+                  f"streams {s['streams_served']:.1f}  server cpu loop {s['server_loop_cpu']:.2f} "
+                  f"other {s['server_other_cpu']:.2f} runq wait {s['server_runq_wait']:.2f}  "
+                  f"client cpu {s['client_cpu']:.2f}  "
+                  f"lag {s['client_lag_max_ms']:.0f} ms  errors {s['errors']}", flush=True)
+            if result.passed:
+                lo = n
+            else:
+                hi = n
+            if args.sessions:
+                break
+            if hi is None:
+                n *= 2
+            elif hi - lo <= max(1, round(lo * args.resolution)):
+                break
+            else:
+                n = (lo + hi) // 2
+            await asyncio.sleep(1.0)
+    finally:
+        server.stop()
+    return SearchResult(ceiling, lo, trials)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--engine-workers", type=int, default=2)
+    parser.add_argument("--sessions", type=int, default=0, help="run one trial at this N instead of searching")
+    parser.add_argument("--start", type=int, default=16, help="first N; doubled until a trial fails")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds during which replies start")
+    parser.add_argument("--ramp", type=float, default=4.0, help="session start times spread over this")
+    parser.add_argument("--tokens-per-s", type=float, default=15.0)
+    parser.add_argument("--gap", type=float, default=0.0,
+                        help="mean pause between a reply's end of playback and the next reply's text")
+    parser.add_argument("--compression", choices=("deflate", "none"), default="deflate",
+                        help="permessage-deflate offered by the clients (browsers offer it)")
+    parser.add_argument("--resolution", type=float, default=0.1, help="stop bisecting at this fraction of N")
+    parser.add_argument("--max-trials", type=int, default=8)
+    parser.add_argument("--ceiling-s", type=float, default=10.0, help="seconds of the engine-only run")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON at the end")
+    args = parser.parse_args(argv)
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    result = asyncio.run(search(args))
+    if args.json:
+        print(dump_json({"bench": "capacity", "args": vars(args), **result.as_dict()}))
+        return 0
+    ceiling = result.ceiling["aggregate_rtf"]
+    trials = [t.summary() for t in result.trials]
+    print()
+    print(table(["N", "pass", "replies", "units", "underruns", "stall s", "ttfa p50", "ttfa p95", "streams",
+                 "loop cpu", "other cpu", "runq wait", "client cpu", "client lag ms"],
+                [[t["sessions"], t["passed"], t["replies"], t["units"], t["underruns"], t["stall_total_s"],
+                  t["ttfa_p50_ms"], t["ttfa_p95_ms"], t["streams_served"], t["server_loop_cpu"],
+                  t["server_other_cpu"], t["server_runq_wait"], t["client_cpu"], t["client_lag_max_ms"]]
+                 for t in trials]))
+    print("(ttfa in ms; streams = audio seconds received per wall second; cpu and run-queue wait in cores: "
+          "server event-loop thread, other server threads, server threads waiting for a core, this process)")
+    print()
+    print(f"engine ceiling (aggregate RTF, workers={args.engine_workers}): {ceiling:.1f} real-time streams")
+    best = result.best
+    if best is None:
+        print("no N passed")
+        return 1
+    summary = best.summary()
+    n = result.max_sessions
+    print(f"largest N with zero underruns: {n}  (p95 TTFA {summary['ttfa_p95_ms']:.0f} ms, "
+          f"{summary['streams_served']:.1f} streams served)")
+    print(f"N / ceiling: {n / ceiling:.2f}  (target >= 0.80)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

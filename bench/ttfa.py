@@ -1,0 +1,234 @@
+"""Time to first audio over the WebSocket against the engine's own first-audio time for the same unit.
+
+One real server (`tests.server.ServerThread`: aiohttp on loopback, the real engine, uvloop) and one
+`websockets` client session per split mode. Each repetition speaks one utterance and, interleaved with it
+in alternating order, asks the *same started engine* for the same first unit directly on the server's
+event loop (`engine.synthesize()` to its first piece). Both are timed on an idle server, so the
+difference is what the serving path adds.
+
+- WebSocket TTFA: from sending the message whose text completes the first unit to the first binary
+  frame at the client. `none` mode: the whole sentence is sent, then (after a settle pause) the timed
+  `input.done`. `sentence` mode: the text goes as ~4-character deltas; every delta before the one that
+  commits the first unit (found by running the server's own segmenter on the same deltas) is sent first,
+  then the timed committing delta.
+- Server TTFA: the server's own `session.done.timings.first_audio_ms` (commit to handing the first audio
+  to the socket), which splits our overhead into server side and loopback/client side.
+- Engine TTFA: `synthesize()` call to its first `AudioPiece`, on the server's loop.
+
+Run from the repository root: `python -m bench.ttfa` (see `--help`; docs/benchmarks.md has results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import websockets
+from voicewire.adapters.base import Engine, SynthesisRequest
+from voicewire.protocol.segmenter import SplitGranularity
+from voicewire.realtime.settings import Settings
+from websockets.asyncio.client import ClientConnection
+
+from bench.workload import SENTENCES, dump_json, first_unit, percentile, table, tokens
+from tests.server import ServerThread
+
+T = TypeVar("T")
+MODES: tuple[SplitGranularity, ...] = ("none", "sentence")
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    ws_ms: list[float] = field(default_factory=list)
+    server_ms: list[float] = field(default_factory=list)
+    engine_ms: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float | int | str]:
+        overhead = [w - e for w, e in zip(self.ws_ms, self.engine_ms, strict=True)]
+        server_over = [s - e for s, e in zip(self.server_ms, self.engine_ms, strict=True)]
+        engine_p50 = percentile(self.engine_ms, 50)
+        return {
+            "mode": self.mode, "n": len(self.ws_ms),
+            "engine_p50_ms": engine_p50, "engine_p95_ms": percentile(self.engine_ms, 95),
+            "ws_p50_ms": percentile(self.ws_ms, 50), "ws_p95_ms": percentile(self.ws_ms, 95),
+            "server_p50_ms": percentile(self.server_ms, 50), "server_p95_ms": percentile(self.server_ms, 95),
+            "overhead_p50_ms": percentile(overhead, 50), "overhead_p95_ms": percentile(overhead, 95),
+            "server_overhead_p50_ms": percentile(server_over, 50),
+            "ratio_p50": percentile(self.ws_ms, 50) / engine_p50 if engine_p50 else float("nan"),
+        }
+
+
+class Bench:
+    def __init__(self, server: ServerThread, settle_s: float) -> None:
+        self.server = server
+        self.settle_s = settle_s
+        self._requests = 0
+
+    async def on_server(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the server's event loop (where the session runtime calls the engine)."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.server.loop))
+
+    async def engine_first_ms(self, text: str) -> float:
+        engine: Engine = self.server.ctx.engine
+        self._requests += 1
+        request = SynthesisRequest(request_id=f"bench-direct-{self._requests}", text=text,
+                                   voice=engine.info.default_voice)
+
+        async def first_piece() -> float:
+            started = time.perf_counter()
+            pieces = engine.synthesize(request)
+            try:
+                await anext(pieces)
+                return (time.perf_counter() - started) * 1000.0
+            finally:
+                await pieces.aclose()  # type: ignore[attr-defined]
+
+        return await self.on_server(first_piece())
+
+    async def utterance(self, ws: ClientConnection, mode: SplitGranularity, text: str) -> tuple[float, float, str]:
+        """Speak one utterance; (client TTFA ms, server TTFA ms, first unit text)."""
+        if mode == "none":
+            before, timed, after = [_text(text)], _done(), []
+        else:
+            deltas = tokens(text)
+            found = first_unit(deltas, mode)
+            if found is None:
+                raise ValueError(f"no unit is committed before input.done in {text!r}")
+            k = found[0]
+            before = [_text(d) for d in deltas[:k]]
+            timed = _text(deltas[k])
+            after = [*(_text(d) for d in deltas[k + 1:]), _done()]
+        for message in before:
+            await ws.send(message)
+        await asyncio.sleep(self.settle_s)
+        started = time.perf_counter()
+        await ws.send(timed)
+        first_text = ""
+        ttfa_ms = -1.0
+        while True:
+            frame = await ws.recv()
+            if isinstance(frame, bytes):
+                ttfa_ms = (time.perf_counter() - started) * 1000.0
+                break
+            event = json.loads(frame)
+            if event["type"] == "audio.start":
+                first_text = event["sentence_text"]
+            elif event["type"] == "error":
+                raise RuntimeError(f"server error: {event}")
+        for message in after:
+            await ws.send(message)
+        while True:
+            frame = await ws.recv()
+            if isinstance(frame, str):
+                event = json.loads(frame)
+                if event["type"] == "session.done":
+                    return ttfa_ms, float(event["timings"]["first_audio_ms"]), first_text
+                if event["type"] == "error":
+                    raise RuntimeError(f"server error: {event}")
+
+
+async def run(args: argparse.Namespace, server: ServerThread) -> list[ModeResult]:
+    bench = Bench(server, args.settle_ms / 1000.0)
+    rng = random.Random(args.seed)
+    results = []
+    for mode in args.modes:
+        result = ModeResult(mode)
+        compression = None if args.compression == "none" else "deflate"
+        async with websockets.connect(server.ws_url, max_size=None, compression=compression) as ws:
+            await ws.send(json.dumps({"type": "session.config", "response_format": "pcm", "stream_audio": True,
+                                      "split_granularity": mode}))
+            updated = json.loads(await ws.recv())
+            assert updated["type"] == "session.updated", updated
+            for rep in range(args.warmup + args.reps):
+                first, second = rng.sample(SENTENCES, 2)
+                text = first if mode == "none" else f"{first} {second}"
+                if rep % 2 == 0:
+                    ws_ms, server_ms, unit = await bench.utterance(ws, mode, text)
+                    engine_ms = await bench.engine_first_ms(unit)
+                else:
+                    unit = _first_unit_text(mode, text)
+                    engine_ms = await bench.engine_first_ms(unit)
+                    ws_ms, server_ms, unit_again = await bench.utterance(ws, mode, text)
+                    assert unit_again == unit, (unit_again, unit)
+                if rep >= args.warmup:
+                    result.ws_ms.append(ws_ms)
+                    result.server_ms.append(server_ms)
+                    result.engine_ms.append(engine_ms)
+        results.append(result)
+    return results
+
+
+def _first_unit_text(mode: SplitGranularity, text: str) -> str:
+    """The first unit the server will make of `text` (`none` mode: the whole text)."""
+    if mode == "none":
+        return text.strip()
+    found = first_unit(tokens(text), mode)
+    assert found is not None
+    return found[1]
+
+
+def _text(text: str) -> str:
+    return json.dumps({"type": "input.text", "text": text})
+
+
+def _done() -> str:
+    return json.dumps({"type": "input.done"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--reps", type=int, default=60, help="measured utterances per mode")
+    parser.add_argument("--warmup", type=int, default=5, help="unmeasured utterances per mode first")
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
+                        help="comma-separated split modes: none,sentence")
+    parser.add_argument("--engine", default="hibari")
+    parser.add_argument("--engine-workers", type=int, default=1)
+    parser.add_argument("--settle-ms", type=float, default=30.0,
+                        help="pause before the timed message so earlier deltas are processed")
+    parser.add_argument("--compression", choices=("deflate", "none"), default="deflate",
+                        help="permessage-deflate offered by the client (browsers and websockets offer it)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default loop on both sides")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    args = parser.parse_args(argv)
+    for mode in args.modes:
+        if mode not in MODES:
+            parser.error(f"unknown mode {mode!r}")
+    if not args.no_uvloop:
+        try:
+            import uvloop
+
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        except ImportError:
+            pass
+    server = ServerThread(Settings(engine=args.engine, engine_workers=args.engine_workers))
+    try:
+        results = asyncio.run(run(args, server))
+    finally:
+        server.stop()
+    summaries = [r.summary() for r in results]
+    if args.json:
+        print(dump_json({"bench": "ttfa", "args": vars(args), "results": summaries,
+                         "raw": [vars(r) for r in results]}))
+        return 0
+    print(f"TTFA, {args.reps} utterances per mode, engine {args.engine} (workers={args.engine_workers}), "
+          f"client compression {args.compression}, uvloop {not args.no_uvloop}")
+    print(table(
+        ["mode", "n", "engine p50", "engine p95", "ws p50", "ws p95", "server p50", "server p95",
+         "overhead p50", "overhead p95", "ratio p50"],
+        [[s["mode"], s["n"], s["engine_p50_ms"], s["engine_p95_ms"], s["ws_p50_ms"], s["ws_p95_ms"],
+          s["server_p50_ms"], s["server_p95_ms"], s["overhead_p50_ms"], s["overhead_p95_ms"], s["ratio_p50"]]
+         for s in summaries]))
+    print("(ms; overhead = ws - engine per utterance, paired; ratio = ws p50 / engine p50; target overhead p50 < 5)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""What the benches feed the server and how they summarise it: varied sentences, LLM-like token streams,
+where the first synthesis unit is committed, percentiles and plain-text tables.
+
+The first-unit position comes from running the same pure `Segmenter` the server runs, with the server's
+settings, so a bench knows exactly which delta completes the first unit without guessing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Sequence
+
+from voicewire.protocol.segmenter import Segmenter, SplitGranularity
+
+SENTENCES: tuple[str, ...] = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Can you tell me what the weather will be like in Paris tomorrow?",
+    "Your appointment with Dr. Patel is on Tuesday at ten thirty.",
+    "I found three restaurants near you that are open until midnight.",
+    "The package was shipped yesterday and should arrive within two days.",
+    "Sure, I can help you reset your password right now.",
+    "The total comes to 42 dollars and 17 cents, including tax.",
+    "Would you like me to read the next message aloud?",
+    "Traffic on the highway is heavier than usual this evening.",
+    "Remember to bring an umbrella, because it might rain later.",
+    "The museum opens at nine and closes at five on weekdays.",
+    "I have added milk, eggs and fresh bread to your shopping list.",
+    "Your flight to Tokyo departs from gate B twelve at noon.",
+    "That song was released in 1999 and became a worldwide hit.",
+    "Please hold on while I look up the latest account balance.",
+    "The meeting has been moved to Thursday afternoon at three.",
+    "Green tea contains less caffeine than a regular cup of coffee.",
+    "Is there anything else I can do for you today?",
+    "The library will be closed for renovations until next month.",
+    "Turn left at the second traffic light and the store is on your right.",
+    "Honestly, that was one of the best movies I have seen this year.",
+    "The battery is at fifteen percent, so you may want to charge it soon.",
+    "Our support team usually replies within one business day.",
+    "The recipe calls for two cups of flour and a pinch of salt.",
+)
+"""Assistant-style sentences of 5 to 15 words (about 2 to 5 s of speech each), with questions,
+numbers, an abbreviation and a few commas (which the fast first unit may split at)."""
+
+
+def tokens(text: str, size: int = 4) -> list[str]:
+    """Cut `text` into LLM-like deltas of about `size` characters (whole text, nothing dropped)."""
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def first_unit(deltas: Sequence[str], granularity: SplitGranularity,
+               max_unit_chars: int = 250) -> tuple[int, str] | None:
+    """Where the server commits an utterance's first speakable unit: (index of the delta whose arrival
+    commits it, the unit's text as the server speaks it), or None when only `input.done` commits it. Runs
+    the server's own segmenter on the same deltas."""
+    segmenter = Segmenter(granularity, max_unit_chars=max_unit_chars)
+    for index, delta in enumerate(deltas):
+        for segment in segmenter.push(delta, 0.0):
+            if any(ch.isalnum() for ch in segment.text):
+                return index, segment.text.strip()
+    return None
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; nan for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def utterance(rng: random.Random, sentences: int) -> str:
+    """`sentences` distinct random sentences joined into one reply."""
+    return " ".join(rng.sample(SENTENCES, sentences))
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A left-aligned plain-text table; floats with two decimals."""
+    cells = [[_cell(v) for v in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def dump_json(data: object) -> str:
+    return json.dumps(data, indent=2, default=float)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.2f}"
+    return str(value)

@@ -1,0 +1,152 @@
+// Drives the demo page in Debian's headless Chromium (playwright-core) and prints one JSON object.
+//
+//   node drive.mjs main    BASE_URL SCREENSHOT   speak a paragraph, stop mid-utterance, speak again
+//   node drive.mjs message PAGE_URL              open the page, press Speak, report the message shown
+//
+// The assertions live in tests/test_browser.py; this script only acts as a user would and reports
+// what the page shows and what its player counted.
+
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { chromium } from "playwright-core";
+
+const PARAGRAPH =
+  "Good morning! Voicewire streams speech while the text is still arriving. " +
+  "Each sentence starts playing as soon as it is ready, and every word lights up when you hear it.";
+const LONG =
+  "This is a long answer that we are going to interrupt. " +
+  "It keeps going with a second sentence that takes a while to say. " +
+  "And a third sentence, which nobody should ever hear because Stop was pressed. " +
+  "A fourth sentence is still being typed when the listener barges in. " +
+  "The fifth one makes sure the text is still arriving at that moment. " +
+  "And the sixth one closes this answer that nobody will hear.";
+const NEXT = "Now something else, right after the stop.";
+
+const [mode, target, screenshot] = process.argv.slice(2);
+const profile = mkdtempSync(join(tmpdir(), "voicewire-chromium-"));
+const consoleErrors = [];
+
+// A fresh profile each run; playwright passes it to Chromium as --user-data-dir.
+const browser = await chromium.launchPersistentContext(profile, {
+  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
+  headless: true,
+  viewport: { width: 1100, height: 640 },
+  args: [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--autoplay-policy=no-user-gesture-required",
+  ],
+});
+
+async function openPage(url) {
+  const page = await browser.newPage();
+  page.on("console", (msg) => {
+    if (msg.type() === "error") consoleErrors.push(msg.text());
+  });
+  page.on("pageerror", (err) => consoleErrors.push(`pageerror: ${err.message}`));
+  await page.goto(url);
+  await page.waitForFunction(() => window.voicewireDemo && window.voicewireDemo.ready, null, { timeout: 30000 });
+  return page;
+}
+
+const last = (page) => page.evaluate(() => {
+  const demo = window.voicewireDemo;
+  const rec = demo.utterances[demo.utterances.length - 1];
+  return rec ? { ...rec } : null;
+});
+
+/** Fill the text box and press Speak; resolves once the page has started the new utterance. */
+async function startSpeaking(page, text) {
+  const before = await page.evaluate(() => window.voicewireDemo.utterances.length);
+  await page.fill("#text", text);
+  await page.click("#speak");
+  await page.waitForFunction((n) => window.voicewireDemo.utterances.length > n, before, { timeout: 30000 });
+}
+
+const waitEnded = (page) => page.waitForFunction(() => {
+  const u = window.voicewireDemo.utterances;
+  return u[u.length - 1].ended;
+}, null, { timeout: 90000 });
+
+async function main(base) {
+  const page = await openPage(`${base}/`);
+  const loaded = await page.evaluate(() => ({
+    message: window.voicewireDemo.message,
+    engine: window.voicewireDemo.engine && window.voicewireDemo.engine.name,
+    connection: document.getElementById("connection").textContent,
+  }));
+  const errorsAfterLoad = [...consoleErrors];
+
+  await page.fill("#pace", "10");
+  await page.fill("#piece", "5");
+  await startSpeaking(page, PARAGRAPH);
+  await page.waitForFunction(() => {
+    const u = window.voicewireDemo.utterances;
+    const rec = u[u.length - 1];
+    return rec && rec.words.length && rec.highlighted.length >= Math.ceil(rec.words.length / 2);
+  }, null, { timeout: 90000 });
+  if (screenshot) await page.screenshot({ path: screenshot });
+  await waitEnded(page);
+  const paragraph = await last(page);
+  const outputRate = await page.evaluate(() => window.voicewireDemo.player.outputRate);
+
+  await page.fill("#pace", "40");
+  await startSpeaking(page, LONG);
+  await page.waitForFunction(() => {
+    const demo = window.voicewireDemo;
+    const rec = demo.utterances[demo.utterances.length - 1];
+    const p = demo.player;
+    return rec.startIndex !== null && rec.sampleRate && p.played + p.dropped - rec.startIndex >= rec.sampleRate * 0.8;
+  }, null, { timeout: 90000 });
+  await page.click("#stop");
+  await page.waitForFunction(() => {
+    const u = window.voicewireDemo.utterances;
+    return u[u.length - 1].stopAck;
+  }, null, { timeout: 10000 });
+  const stoppedAt = await page.evaluate(() => window.voicewireDemo.player.played);
+  await page.waitForTimeout(700);
+  const stopped = await last(page);
+  const playedAfterWait = await page.evaluate(() => window.voicewireDemo.player.played);
+  const statusAfterStop = await page.textContent("#status");
+  await page.fill("#pace", "10");
+
+  await startSpeaking(page, NEXT);
+  await waitEnded(page);
+  const next = await last(page);
+  const stats = await page.evaluate(() => ({
+    ttfa: document.getElementById("ttfa").textContent,
+    underruns: document.getElementById("underruns").textContent,
+    transcript: document.getElementById("transcript").textContent,
+    message: window.voicewireDemo.message,
+  }));
+  await page.close();
+  return { loaded, errorsAfterLoad, outputRate, paragraph, stopped, stoppedAt, playedAfterWait, statusAfterStop, next, stats };
+}
+
+async function message(url) {
+  const page = await openPage(url);
+  await page.click("#speak");
+  await page.waitForFunction(() => window.voicewireDemo.message, null, { timeout: 20000 });
+  const shown = await page.evaluate(() => ({
+    message: window.voicewireDemo.message,
+    text: document.getElementById("message").textContent,
+    visible: !document.getElementById("message").hidden,
+    connection: document.getElementById("connection").textContent,
+  }));
+  await page.close();
+  return shown;
+}
+
+let result;
+try {
+  result = mode === "main" ? await main(target) : await message(target);
+} catch (err) {
+  result = { failure: String(err && err.stack ? err.stack : err) };
+} finally {
+  await browser.close();
+  rmSync(profile, { recursive: true, force: true });
+}
+process.stdout.write(JSON.stringify({ ...result, consoleErrors }) + "\n");

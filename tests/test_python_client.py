@@ -1,0 +1,217 @@
+"""The Python client (`voicewire-client`, clients/python) and its CLI against a real server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import wave
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from voicewire.protocol.audio import float_to_alaw, float_to_mulaw
+from voicewire_client import (
+    AudioCancelled,
+    AudioData,
+    AudioStart,
+    ConnectError,
+    ServerError,
+    SessionDone,
+    UnitDecoder,
+    connect,
+    speak,
+    stream,
+)
+
+from tests.browser.auth_stub import GOOD_TOKEN, AuthStubThread
+from tests.server import ServerThread, free_port
+
+TEXT = "Hello from the Python client. It writes a wave file, and the file has the right length."
+
+
+def wav_seconds(path: Path) -> float:
+    with wave.open(str(path)) as w:
+        assert w.getnchannels() == 1 and w.getsampwidth() == 2
+        return w.getnframes() / w.getframerate()
+
+
+def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "voicewire_client", *args], input=stdin, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def auth_stub() -> Iterator[AuthStubThread]:
+    stub = AuthStubThread()
+    yield stub
+    stub.stop()
+
+
+async def test_speak_writes_a_wav_with_the_duration_the_server_reports(server: ServerThread, tmp_path: Path) -> None:
+    async with connect(server.ws_url) as session:
+        updated = await session.configure(word_timestamps=True)
+        result = await speak(session, TEXT)
+    assert updated.engine.name == "hibari" and updated.config["response_format"] == "pcm"
+    assert result.done is not None and result.done.total_sentences == 2
+    out = tmp_path / "hello.wav"
+    result.audio.write_wav(out)
+    assert wav_seconds(out) == pytest.approx(result.done.audio_ms / 1000, abs=0.001)
+    assert wav_seconds(out) > 2.0
+    assert np.sqrt(np.mean(result.audio.to_float32() ** 2)) > 0.01
+    assert [u.sentence_text for u in result.units] == ["Hello from the Python client.",
+                                                       "It writes a wave file, and the file has the right length."]
+    assert [w.word for w in result.words][:3] == ["Hello", "from", "the"]
+    assert all(TEXT[w.char_start:w.char_end] == w.word for w in result.words)
+    assert result.first_audio_s is not None
+
+
+async def test_an_async_token_stream_is_spoken_as_it_arrives(server: ServerThread) -> None:
+    first_unit_seen = asyncio.Event()
+
+    async def llm() -> AsyncIterator[str]:
+        sentence_one, sentence_two = "The first sentence arrives early. ", "The second waits for the first audio."
+        for i in range(0, len(sentence_one), 3):
+            yield sentence_one[i:i + 3]
+        await asyncio.wait_for(first_unit_seen.wait(), 60)
+        for i in range(0, len(sentence_two), 3):
+            yield sentence_two[i:i + 3]
+
+    async with connect(server.ws_url) as session:
+        await session.configure(word_timestamps=True)
+        events = []
+        async for event in stream(session, llm()):
+            events.append(event)
+            if isinstance(event, AudioData):
+                first_unit_seen.set()
+    starts = [e for e in events if isinstance(e, AudioStart)]
+    assert [s.sentence_text for s in starts] == ["The first sentence arrives early.",
+                                                 "The second waits for the first audio."]
+    assert isinstance(events[-1], SessionDone) and events[-1].total_sentences == 2
+
+
+async def test_cancel_mid_utterance_stops_its_audio_and_the_next_utterance_plays(server: ServerThread) -> None:
+    long_text = " ".join(f"Sentence number {n} of an answer the listener interrupts." for n in range(12))
+    async with connect(server.ws_url) as session:
+        await session.configure()
+        await session.send_text(long_text)
+        await session.done()
+        async for event in session:
+            if isinstance(event, AudioData):
+                break
+        await session.cancel()
+        after: list[object] = []
+        async for event in session:
+            after.append(event)
+            if isinstance(event, AudioCancelled):
+                break
+        assert not any(isinstance(e, AudioData) for e in after), "no audio of a cancelled utterance"
+        assert isinstance(after[-1], AudioCancelled) and after[-1].utterance_index == 0
+        result = await speak(session, "And now the next answer.")
+    assert result.done is not None and result.done.utterance_index == 1
+    assert result.audio.duration_s == pytest.approx(result.done.audio_ms / 1000, abs=0.001)
+
+
+async def test_json_audio_frames_give_the_same_audio_and_utterance_timed_words(server: ServerThread) -> None:
+    async with connect(server.ws_url) as session:
+        await session.configure(audio_frames="json", word_timestamps=True)
+        result = await speak(session, "One sentence here. And a second one there.")
+    assert result.done is not None
+    assert result.audio.duration_s == pytest.approx(result.done.audio_ms / 1000, abs=0.001)
+    starts = [w.start_ms for w in result.words]
+    assert starts == sorted(starts) and starts[-1] > result.done.audio_ms / 2, "second unit's words are offset"
+
+
+async def test_a_refused_config_raises_the_server_error_and_the_session_stays_usable(server: ServerThread) -> None:
+    async with connect(server.ws_url) as session:
+        with pytest.raises(ServerError) as refused:
+            await session.configure(voice="no-such-voice")
+        assert refused.value.event.code == "invalid_config" and "no-such-voice" in str(refused.value)
+        await session.configure(voice="heart")
+        result = await speak(session, "Still here.")
+    assert result.audio.duration_s > 0.3
+
+
+@pytest.mark.parametrize(("fmt", "encode"), [("mulaw", float_to_mulaw), ("alaw", float_to_alaw)])
+def test_g711_decoding_matches_the_server_encoding(fmt: str, encode: object) -> None:
+    x = (0.5 * np.sin(np.linspace(0, 40, 4000))).astype(np.float32)
+    data = encode(x)  # type: ignore[operator]
+    decoder = UnitDecoder(fmt)
+    decoded = np.concatenate([decoder.feed(data[:1001]), decoder.feed(data[1001:])]).astype(np.float32) / 32768
+    assert np.max(np.abs(decoded - x)) < 0.02
+
+
+def test_cli_says_text_into_a_wav_and_prints_words_and_ttfa(server: ServerThread, tmp_path: Path) -> None:
+    out = tmp_path / "say.wav"
+    done = cli("say", TEXT, "-o", str(out), "--url", server.http_url, "--timestamps", "--stats", "--speed", "1.25")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[-1] == "Hello" and len(lines[0].split()) == 3
+    assert lines[-1].startswith("TTFA ") and "ms" in lines[-1] and "2 units" in lines[-1]
+    reported = float(lines[-1].split("; ")[1].split(" s ")[0])
+    assert wav_seconds(out) == pytest.approx(reported, abs=0.01)
+
+
+def test_cli_streams_stdin_as_it_arrives(server: ServerThread, tmp_path: Path) -> None:
+    """The first sentence is spoken (its words printed) while stdin is still open."""
+    out = tmp_path / "stdin.wav"
+    proc = subprocess.Popen([sys.executable, "-m", "voicewire_client", "say", "-", "-o", str(out), "--url",
+                             server.ws_url, "--timestamps", "--stats"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write("Streaming from standard input works. ")
+        proc.stdin.flush()
+        first_line: list[str] = []
+        reader = threading.Thread(target=lambda: first_line.append(proc.stdout.readline()))  # type: ignore[union-attr]
+        reader.start()
+        reader.join(60)
+        assert first_line and first_line[0].split()[-1] == "Streaming", "words of sentence one before EOF"
+        proc.stdin.write("And this arrives later.\n")
+        proc.stdin.close()
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    words = [first_line[0].split()[-1]] + [line.split()[-1] for line in rest.splitlines()[:-1]]
+    assert words == ["Streaming", "from", "standard", "input", "works", "And", "this", "arrives", "later"]
+    assert "2 units" in rest.splitlines()[-1]
+    assert wav_seconds(out) > 2.0
+
+
+def test_refused_connection_is_a_clear_error_and_a_nonzero_exit(tmp_path: Path) -> None:
+    url = f"ws://127.0.0.1:{free_port()}/v1/audio/speech/stream"
+
+    async def attempt() -> None:
+        async with connect(url):
+            pass
+
+    with pytest.raises(ConnectError, match="connection refused"):
+        asyncio.run(attempt())
+    done = cli("say", "Hello.", "-o", str(tmp_path / "x.wav"), "--url", url)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"voicewire-client: error: could not connect to {url}: connection refused; "
+                                   "is the voicewire server running there?")
+    assert not (tmp_path / "x.wav").exists()
+
+
+def test_wrong_token_is_a_clear_error_and_a_nonzero_exit(auth_stub: AuthStubThread, tmp_path: Path) -> None:
+    """Against a stand-in for the coming API-key check (401 before the upgrade, as PROTOCOL.md says)."""
+    done = cli("say", "Hello.", "-o", str(tmp_path / "x.wav"), "--url", auth_stub.ws_url, "--token", "wrong")
+    assert done.returncode == 1
+    assert "rejected the token (HTTP 401)" in done.stderr and "--token" in done.stderr
+
+    async def good_token_passes_the_gate() -> None:
+        with pytest.raises(ConnectError, match="HTTP 501"):
+            await connect(auth_stub.ws_url, token=GOOD_TOKEN)
+
+    asyncio.run(good_token_passes_the_gate())
+
+
+def test_server_error_event_is_a_clear_error_and_a_nonzero_exit(server: ServerThread, tmp_path: Path) -> None:
+    done = cli("say", "Hello.", "-o", str(tmp_path / "x.wav"), "--url", server.ws_url, "--voice", "no-such-voice")
+    assert done.returncode == 1
+    assert done.stderr.startswith("voicewire-client: error: server error invalid_config: Invalid session config: "
+                                  "voice: unknown voice 'no-such-voice'")
