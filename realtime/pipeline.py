@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -9,6 +11,10 @@ from voicewire.adapters.base import EngineInfo, SynthesisRequest
 from voicewire.protocol.messages import EffectiveConfig
 from voicewire.protocol.render import RenderedPiece, RenderPlan, UnitRenderer, plan_speed
 from voicewire.realtime.context import ServerContext
+
+
+class UnitTimeout(Exception):
+    """A unit's engine work ran past `Settings.unit_timeout_s`; it was cancelled."""
 
 
 def render_plan(config: EffectiveConfig, info: EngineInfo, *, stream: bool | None = None) -> RenderPlan:
@@ -30,15 +36,20 @@ async def synthesize_unit(ctx: ServerContext, request: SynthesisRequest, rendere
     """Run one unit: wait for an engine slot (earliest `deadline` first), pass each rendered piece to
     `sink` as the engine yields it, then the renderer's tail. Returns the engine seconds spent.
 
-    Cancelling the caller cancels the wait or closes the engine iterator (the engine's cancel API).
-    Engine exceptions propagate after the slot is released.
+    Cancelling the caller cancels the wait or closes the engine iterator (the engine's cancel API); so
+    does a unit running past `unit_timeout_s` of engine time, which raises `UnitTimeout`. Engine
+    exceptions propagate after the iterator is closed and the slot released.
     """
     assert ctx.scheduler is not None
+    limit = ctx.settings.unit_timeout_s
     async with ctx.scheduler.slot(deadline):
         started = time.monotonic()
         try:
-            async for piece in ctx.engine.synthesize(request):
-                sink(renderer.feed(piece))
+            async with asyncio.timeout(limit), contextlib.aclosing(ctx.engine.synthesize(request)) as pieces:
+                async for piece in pieces:
+                    sink(renderer.feed(piece))
+        except TimeoutError as exc:
+            raise UnitTimeout(f"timed out after {limit:g} s of synthesis and was cancelled") from exc
         finally:
             engine_s = time.monotonic() - started
             ctx.metrics.engine_busy.inc(engine_s)

@@ -55,7 +55,7 @@ from voicewire.protocol.session import (
     Unit,
 )
 from voicewire.realtime.context import ServerContext
-from voicewire.realtime.pipeline import render_plan, synthesis_request, synthesize_unit
+from voicewire.realtime.pipeline import UnitTimeout, render_plan, synthesis_request, synthesize_unit
 
 log = logging.getLogger("voicewire.session")
 
@@ -74,7 +74,8 @@ class UnitJob:
     task: asyncio.Task[None] | None = None
     outbox: deque[RenderedPiece] = field(default_factory=deque)
     finished: bool = False
-    failure: str | None = None
+    failure: tuple[str, str] | None = None
+    """(error code, reason) when the unit failed."""
     engine_s: float = 0.0
     started_sent: bool = False
     bytes_sent: int = 0
@@ -321,9 +322,12 @@ class SessionRuntime:
             job.engine_s = await synthesize_unit(self.ctx, request, job.renderer, self._deadline(job), sink)
         except asyncio.CancelledError:
             raise
+        except UnitTimeout as exc:
+            log.warning("unit %s: %s", request.request_id, exc)
+            job.failure = ("unit_timeout", str(exc))
         except Exception as exc:
             log.exception("unit %s failed", request.request_id)
-            job.failure = str(exc) or type(exc).__name__
+            job.failure = ("generation_failed", str(exc) or type(exc).__name__)
         finally:
             job.finished = True
             self._wake.set()
@@ -382,13 +386,14 @@ class SessionRuntime:
         self._outq.popleft()
         self._pump()
         if job.failure is not None:
+            code, reason = job.failure
             self.ctx.metrics.units.labels("failed").inc()
-            self.ctx.metrics.errors.labels("generation_failed").inc()
+            self.ctx.metrics.errors.labels(code).inc()
             partial = job.bytes_sent > 0
             await self._send_event(ErrorEvent(
                 message=f"Generation failed for utterance {unit.utterance_index}, sentence "
-                        f"{unit.sentence_index}: {job.failure}",
-                code="generation_failed", fatal=False, partial_audio=True if partial else None,
+                        f"{unit.sentence_index}: {reason}",
+                code=code, fatal=False, partial_audio=True if partial else None,
                 action="discard" if partial else None, utterance_index=unit.utterance_index,
                 sentence_index=unit.sentence_index))
         else:

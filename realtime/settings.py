@@ -35,6 +35,8 @@ class Settings:
     max_unit_chars: int = 250
     max_units_in_flight: int = 2
     """Units per session synthesizing or synthesized-but-unsent; bounds a slow client's memory."""
+    unit_timeout_s: float = 60.0
+    """Engine time one unit may take; past it the unit is cancelled with a `unit_timeout` error."""
     max_pending_events: int = 256
     """Control events queued for a client that is not reading; past this the session is closed."""
     shutdown_grace_s: float = 10.0

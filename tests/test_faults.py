@@ -1,0 +1,83 @@
+"""Engine faults hurt only the unit they hit: the session and other sessions carry on."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import websockets
+from voicewire.adapters.hibari import HibariEngine
+from voicewire.realtime.settings import Settings
+
+from tests.faults import FaultInjectingEngine
+from tests.server import ServerThread
+from tests.wsclient import configure, recv_until, send
+
+STREAM = {"split_granularity": "sentence", "response_format": "pcm", "stream_audio": True}
+
+
+@pytest.fixture(scope="module")
+def faulty() -> Iterator[ServerThread]:
+    srv = ServerThread(Settings(unit_timeout_s=1.0), engine=FaultInjectingEngine(HibariEngine()))
+    yield srv
+    srv.stop()
+
+
+async def test_a_unit_that_fails_mid_audio_reports_partial_audio_and_the_session_carries_on(
+        faulty: ServerThread) -> None:
+    async with websockets.connect(faulty.ws_url) as ws:
+        await configure(ws, **STREAM)
+        await send(ws, {"type": "input.text", "text": "Before the fault. This one [raise] breaks. After it."})
+        await send(ws, {"type": "input.done"})
+        got = await recv_until(ws, "session.done")
+        assert got.types().count("audio.start") == 3 and got.types().count("audio.done") == 3
+        error = got.of("error")[0]
+        assert error["code"] == "generation_failed" and not error["fatal"]
+        assert error["message"].startswith("Generation failed for utterance 0, sentence 1: injected engine fault")
+        assert error["partial_audio"] is True and error["action"] == "discard"
+        assert [d["error"] for d in got.of("audio.done")] == [False, True, False]
+        kinds = got.types()
+        assert kinds.index("error") < [i for i, k in enumerate(kinds) if k == "audio.done"][1]
+        await send(ws, {"type": "input.text", "text": "[raise-first] No audio at all. Then fine."})
+        await send(ws, {"type": "input.done"})
+        got = await recv_until(ws, "session.done")
+        error = got.of("error")[0]
+        assert "partial_audio" not in error and [d["error"] for d in got.of("audio.done")] == [True, False]
+
+
+async def test_a_hung_unit_is_cancelled_at_its_deadline_with_a_clear_error(faulty: ServerThread) -> None:
+    engine = faulty.ctx.engine
+    assert isinstance(engine, FaultInjectingEngine)
+    before = engine.hung_cancelled
+    async with websockets.connect(faulty.ws_url) as ws:
+        await configure(ws, **STREAM)
+        await send(ws, {"type": "input.text", "text": "This [hang] never ends. But this does."})
+        await send(ws, {"type": "input.done"})
+        got = await recv_until(ws, "session.done")
+    error = got.of("error")[0]
+    assert error["code"] == "unit_timeout" and "timed out after 1 s" in error["message"]
+    assert [d["error"] for d in got.of("audio.done")] == [True, False]
+    assert engine.hung_cancelled == before + 1, "the engine request was stopped"
+
+
+async def test_faults_in_one_session_leave_another_untouched(faulty: ServerThread) -> None:
+    async def victim() -> list[bool]:
+        async with websockets.connect(faulty.ws_url) as ws:
+            await configure(ws, **STREAM)
+            await send(ws, {"type": "input.text", "text": "[raise] Broken. [raise] Broken again. [hang] Stuck."})
+            await send(ws, {"type": "input.done"})
+            got = await recv_until(ws, "session.done")
+            return [d["error"] for d in got.of("audio.done")]
+
+    async def bystander() -> list[bool]:
+        async with websockets.connect(faulty.ws_url) as ws:
+            await configure(ws, **STREAM)
+            await send(ws, {"type": "input.text", "text": "I am fine. So is this sentence. And this one."})
+            await send(ws, {"type": "input.done"})
+            got = await recv_until(ws, "session.done")
+            assert not got.of("error")
+            return [d["error"] for d in got.of("audio.done")]
+
+    broken, fine = await asyncio.gather(victim(), bystander())
+    assert broken == [True, True, True] and fine == [False, False, False]
