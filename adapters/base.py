@@ -1,7 +1,7 @@
 """The engine interface every speech engine implements.
 
 An engine turns one synthesis unit (a sentence or clause of an utterance) into audio. The shape follows
-vLLM's async generator per request: `synthesize(request)` returns an async iterator of `AudioPiece`s, and
+vLLM's async generator per request: `synthesize(request)` returns an async generator of `AudioPiece`s, and
 closing or cancelling that iterator is the only cancel API. Every engine must stop the computation for a
 request promptly when its iterator is closed (`aclose()`) or the task consuming it is cancelled, and must
 not leak threads, buffers or device memory for it.
@@ -12,7 +12,7 @@ many run at once (`EngineInfo.max_concurrency`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -110,4 +110,4 @@ class Engine(Protocol):
 
     async def close(self) -> None: ...
 
-    def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioPiece]: ...
+    def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]: ...

@@ -26,7 +26,7 @@ import functools
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, cast
@@ -257,7 +257,7 @@ class HibariEngine:
         self._idle_sessions.clear()
         self._tts = None
 
-    def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioPiece]:
+    def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         return self._synthesize(request)
 
     async def render_phonemes(
@@ -280,7 +280,7 @@ class HibariEngine:
 
     # -- request -------------------------------------------------------------------------------------
 
-    async def _synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioPiece]:
+    async def _synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         if request.voice not in self._info.voices:
             raise ValueError(
                 f"hibari: unknown voice {request.voice!r}; available: {', '.join(self._info.voices)}"

@@ -9,7 +9,7 @@ as synthesis.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import numpy as np
 from voicewire.adapters.base import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest, WordSpan
@@ -41,7 +41,7 @@ class NullEngine:
     async def close(self) -> None:
         return None
 
-    async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioPiece]:
+    async def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         n = int(len(request.text) * SECONDS_PER_CHAR / request.speed * SAMPLE_RATE)
         samples = np.resize(self._tone, n)
         words = list(_WORD.finditer(request.text))

@@ -9,7 +9,7 @@ engine sees. `hung_cancelled` counts hung requests that were cancelled (observab
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import replace
 
 from voicewire.adapters.base import AudioPiece, Engine, EngineInfo, SynthesisRequest
@@ -38,7 +38,7 @@ class FaultInjectingEngine:
     async def close(self) -> None:
         await self.inner.close()
 
-    async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioPiece]:
+    async def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         text = request.text
         if "[hang]" in text:
             try:
