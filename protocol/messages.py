@@ -95,7 +95,8 @@ def decode_client_message(data: str | bytes) -> ClientMessage:
     """Decode and validate one client text frame, or raise `ProtocolError`.
 
     Codes and texts (the texts are vllm-omni's where it has one): `invalid_json` "Invalid JSON message";
-    `invalid_message` "WebSocket messages must be JSON objects" or a field error; `unknown_type`
+    `invalid_message` "WebSocket messages must be JSON objects", "JSON nested too deeply" (past the
+    interpreter's recursion limit, about 1000 levels) or a field error; `unknown_type`
     "Unknown message type: X"; `invalid_config` "Invalid session config: ..." (a field out of range or
     of the wrong type); `invalid_text` "input.text requires a string value". `fatal` is left False: the
     session state machine decides (every mistake before the first config is fatal, as in vllm-omni).
@@ -106,10 +107,15 @@ def decode_client_message(data: str | bytes) -> ClientMessage:
         raise _classify(data, str(exc)) from None
     except msgspec.DecodeError:
         raise ProtocolError("invalid_json", "Invalid JSON message") from None
+    except RecursionError:
+        raise ProtocolError("invalid_message", "JSON nested too deeply") from None
 
 
 def _classify(data: str | bytes, detail: str) -> ProtocolError:
-    raw: Any = _raw_decoder.decode(data)
+    try:
+        raw: Any = _raw_decoder.decode(data)
+    except RecursionError:
+        return ProtocolError("invalid_message", "JSON nested too deeply")
     if not isinstance(raw, dict):
         return ProtocolError("invalid_message", "WebSocket messages must be JSON objects")
     kind = raw.get("type")

@@ -45,6 +45,9 @@ NON_FATAL: list[tuple[str, Any, str, str]] = [
     ("codec chunking on hibari", {"type": "session.config", "initial_codec_chunk_frames": 2}, "invalid_config",
      "not a codec-token engine"),
     ("unknown model", {"type": "session.config", "model": "gpt-9"}, "invalid_config", "unknown model"),
+    ("deeply nested json", '{"type": "input.text", "text": "x", "deep": ' + "[" * 50_000 + "]" * 50_000 + "}",
+     "invalid_message", "JSON nested too deeply"),
+    ("deeply nested array", "[" * 20_000 + "]" * 20_000, "invalid_message", "JSON nested too deeply"),
     ("oversized input.text", {"type": "input.text", "text": "a" * (130 * 1024)}, "message_too_large",
      "input.text message too large"),
 ]
