@@ -59,6 +59,7 @@ from voicewire.realtime.pipeline import UnitTimeout, render_plan, synthesis_requ
 
 log = logging.getLogger("voicewire.session")
 
+CLOSE_INTERNAL_ERROR = 1011
 SECONDS_PER_CHAR_ESTIMATE = 0.065
 """Rough speech duration of one character, used to estimate playback deadlines of unsent units."""
 
@@ -126,6 +127,7 @@ class SessionRuntime:
 
     async def run(self) -> None:
         writer = asyncio.create_task(self._write_loop(), name=f"{self.session_id}-writer")
+        writer.add_done_callback(self._on_writer_done)
         reader = self._reader_task = asyncio.create_task(self._read_loop(), name=f"{self.session_id}-reader")
         try:
             await reader
@@ -159,7 +161,11 @@ class SessionRuntime:
                 continue
             if msg.type is WSMsgType.TEXT:
                 self._last_activity = time.monotonic()
-                self._on_text(msg.data)
+                try:
+                    self._on_text(msg.data)
+                except Exception:
+                    log.exception("session %s: internal error handling a message", self.session_id)
+                    self._internal_error()
             elif msg.type is WSMsgType.BINARY:
                 self._last_activity = time.monotonic()
                 self._apply(self.machine.protocol_error(ProtocolError(
@@ -179,6 +185,23 @@ class SessionRuntime:
             self._apply(self.machine.protocol_error(exc))
             return
         self._apply(self.machine.receive(message, _now_ms()))
+
+    def _internal_error(self) -> None:
+        """A bug of ours: say so, end the session with 1011; the server and other sessions carry on."""
+        self._cancel_everything()
+        self._control.append(ErrorEvent(message="Internal server error; the session is closed", code="internal_error",
+                                        fatal=True))
+        self._close = Close(CLOSE_INTERNAL_ERROR, "internal error")
+        self._wake.set()
+
+    def _on_writer_done(self, writer: asyncio.Task[None]) -> None:
+        if writer.cancelled() or writer.exception() is None:
+            return
+        log.error("session %s: writer failed", self.session_id, exc_info=writer.exception())
+        self._close = Close(CLOSE_INTERNAL_ERROR, "internal error")
+        self._cancel_everything()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
 
     def _receive_timeout(self) -> float:
         now = time.monotonic()
