@@ -145,6 +145,9 @@ class Limits(msgspec.Struct, kw_only=True):
     max_unit_chars: int
     max_units_in_flight: int
     max_sessions: int
+    max_sessions_per_key: int
+    max_sessions_per_ip: int
+    unit_timeout_s: float
 
 
 class EngineDescription(msgspec.Struct, kw_only=True):

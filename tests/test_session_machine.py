@@ -30,7 +30,7 @@ FACTS = ServerFacts(
                              languages=["en"], word_timestamps=True, voice_cloning=False, native_speed=[0.5, 2.0]),
     limits=Limits(config_timeout_s=10, idle_timeout_s=30, stall_timeout_s=15, max_message_bytes=1024,
                   max_config_bytes=4096, max_utterance_chars=100, max_unit_chars=250, max_units_in_flight=2,
-                  max_sessions=4),
+                  max_sessions=4, max_sessions_per_key=4, max_sessions_per_ip=4, unit_timeout_s=60),
     model_names=frozenset({"hibari", "tts-1"}),
     voice_aliases={"alloy": "heart"},
     languages=frozenset({"en", "english", "auto"}),
