@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Literal
+
 from voicewire.adapters.base import Engine
 
-ENGINE_NAMES = ("hibari", "null")
+if TYPE_CHECKING:
+    from voicewire.adapters.talker import TalkerConfig
+
+ENGINE_NAMES = ("hibari", "null", "talker")
+Isolation = Literal["thread", "process"]
 
 
-def create_engine(name: str, *, workers: int = 1) -> Engine:
-    """Build (not start) the named engine. Raises ValueError for an unknown name."""
+def create_engine(name: str, *, workers: int = 1, isolation: Isolation = "thread",
+                  talker: TalkerConfig | None = None) -> Engine:
+    """Build (not start) the named engine. Raises ValueError for an unknown name, or for `talker`
+    without its `TalkerConfig` (model folders).
+
+    `isolation="process"` runs a CPU engine (hibari) in `workers` child processes, so a crashed worker
+    costs only its own units (`adapters/workers.py`); `"thread"` runs it in this process on `workers`
+    threads. Other engines ignore it.
+    """
     if name == "hibari":
+        if isolation == "process":
+            from voicewire.adapters.workers import ProcessEngine
+
+            return ProcessEngine("hibari", workers=workers)
         from voicewire.adapters.hibari import HibariEngine
 
         return HibariEngine(workers=workers)
@@ -17,4 +34,10 @@ def create_engine(name: str, *, workers: int = 1) -> Engine:
         from voicewire.adapters.null import NullEngine
 
         return NullEngine()
+    if name == "talker":
+        if talker is None:
+            raise ValueError("engine talker needs --talker-model DIR and --codec-model DIR")
+        from voicewire.adapters.talker import TalkerEngine
+
+        return TalkerEngine(talker)
     raise ValueError(f"unknown engine {name!r}; available: {', '.join(ENGINE_NAMES)}")

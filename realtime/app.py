@@ -38,7 +38,8 @@ KEY_FILE_POLL_S = 2.0
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> web.Application:
     """Build the app. `engine` defaults to the one named by `settings.engine` (not started yet)."""
     settings = settings or Settings()
-    engine = engine or create_engine(settings.engine, workers=settings.engine_workers)
+    engine = engine or create_engine(settings.engine, workers=settings.engine_workers,
+                                     isolation=settings.engine_isolation)
     access = AccessControl(settings)
     ctx = ServerContext(settings=settings, engine=engine, access=access)
     app = web.Application(client_max_size=settings.max_config_bytes, middlewares=[access_middleware(access)])

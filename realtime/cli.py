@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
-from voicewire.adapters.registry import ENGINE_NAMES
+from voicewire.adapters.base import Engine
+from voicewire.adapters.registry import ENGINE_NAMES, create_engine
 from voicewire.realtime.app import create_app
 from voicewire.realtime.settings import Settings
 
@@ -25,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine", choices=ENGINE_NAMES, default=defaults.engine)
     serve.add_argument("--engine-workers", type=int, default=defaults.engine_workers,
                        help="engine requests computed at once (hibari: threads, about one core each)")
+    serve.add_argument("--engine-isolation", choices=("process", "thread"), default=defaults.engine_isolation,
+                       help="hibari in child processes (a crashed worker is restarted) or in threads")
     serve.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
     auth = serve.add_argument_group("access")
     auth.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -36,8 +39,36 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a browser origin allowed to open WebSockets besides the server's own (repeatable)")
     auth.add_argument("--trust-forwarded-for", action="store_true",
                       help="take client addresses from X-Forwarded-For (only behind a proxy that sets it)")
+    talker = serve.add_argument_group("talker engine (--engine talker; docs/engines.md)")
+    talker.add_argument("--talker-model", metavar="DIR", help="local folder of the talker (Orpheus layout)")
+    talker.add_argument("--codec-model", metavar="DIR", help="local folder of the SNAC 24 kHz codec")
+    talker.add_argument("--talker-max-concurrency", type=int, default=64,
+                        help="units the talker computes at once (vLLM max_num_seqs)")
+    talker.add_argument("--talker-gpu-memory-utilization", type=float, default=0.8,
+                        help="vLLM's share of GPU memory (of RAM on a CPU build)")
+    talker.add_argument("--initial-codec-chunk-frames", type=int, default=1,
+                        help="frames in a unit's first audio chunk (85.3 ms each); sessions may override")
+    talker.add_argument("--talker-random-weights", action="store_true",
+                        help="test and benchmark mode: random talker weights, forced lengths (no real speech)")
     serve.add_argument("--log-level", default="INFO")
     return parser
+
+
+def talker_engine(args: argparse.Namespace) -> Engine | None:
+    """The talker engine the flags describe, or None for other engines."""
+    if args.engine != "talker":
+        return None
+    if not args.talker_model or not args.codec_model:
+        raise ValueError("engine talker needs --talker-model DIR and --codec-model DIR")
+    from voicewire.adapters.talker import TalkerConfig
+    from voicewire.adapters.talker_codec import ChunkPolicy
+
+    config = TalkerConfig(talker_model=args.talker_model, codec_model=args.codec_model,
+                          max_concurrency=args.talker_max_concurrency,
+                          gpu_memory_utilization=args.talker_gpu_memory_utilization,
+                          chunks=ChunkPolicy(initial_frames=args.initial_codec_chunk_frames),
+                          random_weights=args.talker_random_weights)
+    return create_engine("talker", talker=config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,12 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env_keys = [k.strip() for k in os.environ.get("VOICEWIRE_API_KEYS", "").split(",") if k.strip()]
     settings = Settings(host=args.host, port=args.port, engine=args.engine, engine_workers=args.engine_workers,
-                        max_sessions=args.max_sessions, api_keys=(*args.api_key, *env_keys),
+                        engine_isolation=args.engine_isolation, max_sessions=args.max_sessions,
+                        api_keys=(*args.api_key, *env_keys),
                         api_keys_file=args.api_keys_file, allow_unauthenticated=args.no_auth,
                         allowed_origins=tuple(args.allowed_origin), trust_forwarded_for=args.trust_forwarded_for)
     try:
-        app = create_app(settings)
-    except ValueError as exc:
+        app = create_app(settings, talker_engine(args))
+    except (ValueError, FileNotFoundError) as exc:
         print(f"voicewire: {exc}", file=sys.stderr)
         return 2
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 OPENAI_VOICE_NAMES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage",
                       "shimmer", "verse", "marin", "cedar")
@@ -19,7 +20,9 @@ class Settings:
     port: int = 8000
     engine: str = "hibari"
     engine_workers: int = 1
-    """Engine requests computed at once (hibari: worker threads, one core each)."""
+    """Engine requests computed at once (hibari: worker processes or threads, one core each)."""
+    engine_isolation: Literal["process", "thread"] = "process"
+    """hibari in child processes (a crashed worker is restarted, only its units fail) or in threads."""
 
     max_sessions: int = 64
     """WebSocket sessions at once; one more is refused with close code 1013."""
