@@ -11,6 +11,8 @@ if TYPE_CHECKING:
 
 ENGINE_NAMES = ("hibari", "null", "talker")
 Isolation = Literal["thread", "process"]
+CLONING_ENGINES: tuple[str, ...] = ()
+"""Engines that can speak an uploaded voice sample. Neither hibari nor the Orpheus talker can."""
 
 
 def create_engine(name: str, *, workers: int = 1, isolation: Isolation = "thread",

@@ -59,6 +59,8 @@ class ServerFacts:
     supports_codec_chunking: bool
     voice_exists: Callable[[str], bool] = field(default=lambda _name: False)
     """Voices beyond the engine's own (uploaded ones); they need a cloning engine."""
+    cloning_engines: tuple[str, ...] = ()
+    """Engines of this build that can speak uploaded voices (named in the refusal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,9 +357,9 @@ def resolve_voice(requested: str | None, facts: ServerFacts) -> str:
         return alias
     if facts.voice_exists(requested):
         if not engine.voice_cloning:
+            can = ", ".join(facts.cloning_engines) or "none in this build"
             raise _bad("voice", f"voice {requested!r} is an uploaded voice, and engine {engine.name} cannot "
-                       "clone voices; use a voice cloning engine (talker) or one of: "
-                       f"{', '.join(engine.voices)}")
+                       f"clone voices (engines that can: {can}); use one of its voices: {', '.join(engine.voices)}")
         return requested
     valid = sorted({*engine.voices, *facts.voice_aliases})
     raise _bad("voice", f"unknown voice {requested!r}; valid voices: {', '.join(valid)}")

@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-isolation", choices=("process", "thread"), default=defaults.engine_isolation,
                        help="hibari in child processes (a crashed worker is restarted) or in threads")
     serve.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
+    serve.add_argument("--voices-dir", type=Path, help="where uploaded voices are stored "
+                       "(default: $XDG_DATA_HOME/voicewire/voices)")
     auth = serve.add_argument_group("access")
     auth.add_argument("--api-key", action="append", default=[], metavar="KEY",
                       help="an accepted API key (repeatable); also read from $VOICEWIRE_API_KEYS, comma-separated")
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     env_keys = [k.strip() for k in os.environ.get("VOICEWIRE_API_KEYS", "").split(",") if k.strip()]
     settings = Settings(host=args.host, port=args.port, engine=args.engine, engine_workers=args.engine_workers,
                         engine_isolation=args.engine_isolation, max_sessions=args.max_sessions,
-                        api_keys=(*args.api_key, *env_keys),
+                        api_keys=(*args.api_key, *env_keys), voices_dir=args.voices_dir,
                         api_keys_file=args.api_keys_file, allow_unauthenticated=args.no_auth,
                         allowed_origins=tuple(args.allowed_origin), trust_forwarded_for=args.trust_forwarded_for)
     try:

@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from voicewire.adapters.base import Engine
+from voicewire.adapters.registry import CLONING_ENGINES
 from voicewire.protocol.messages import EngineDescription, Limits
 from voicewire.protocol.session import ServerFacts
 from voicewire.realtime.auth import AccessControl
@@ -64,6 +65,7 @@ class ServerContext:
             supports_seed=caps.seed,
             supports_codec_chunking=caps.codec_frames,
             voice_exists=self._uploaded_voice_exists,
+            cloning_engines=CLONING_ENGINES,
         )
         self.ready = True
 
