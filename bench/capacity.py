@@ -12,11 +12,13 @@ playback pauses until it arrives (the pause is that session's *stall time*). TTF
 delta that completes the first unit (the server's own segmenter, run here on the same deltas, says which)
 to the first audio byte.
 
-The search doubles N from `--start` until a trial has an underrun, then bisects. Before the trials, with
-the server idle, an in-process `HibariEngine(workers=W)` runs flat out on the same sentences: its
-aggregate real-time factor (audio seconds per wall second) is the ceiling, the number of real-time
-streams the engine alone sustains on this machine. Server CPU per thread (event loop vs the rest) and
-the client's own loop lag are reported so a failed trial can be blamed on the right party.
+The search doubles N from `--start` until a trial has an underrun, then bisects. Before each trial, with
+the server idle, an in-process `HibariEngine(workers=W)` runs flat out on the same sentences for
+`--ceiling-s`: its aggregate real-time factor (audio seconds per wall second) is the ceiling, the number
+of real-time streams the engine alone sustains on this machine right then (the median over the trials is
+reported; a shared machine's spare CPU drifts, so each trial also shows its own). Server CPU per thread
+(event loop vs the rest), its run-queue wait (time its threads were runnable but had no core) and the
+client's own loop lag are reported, so a failed trial can be blamed on the right party.
 
 Run from the repository root: `python -m bench.capacity` (see `--help`; docs/benchmarks.md has results).
 """
@@ -59,6 +61,9 @@ class Reply:
     underruns: int
     stall_s: float
     units: int
+    plays_from: float
+    plays_until: float
+    """Monotonic times the reply's playback starts and ends (stalls included)."""
 
 
 @dataclass
@@ -66,12 +71,30 @@ class Trial:
     sessions: int
     replies: list[Reply] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    wall_s: float = 0.0
     server_loop_cpu: float = 0.0
     server_other_cpu: float = 0.0
     server_runq_wait: float = 0.0
     client_cpu: float = 0.0
     client_lag_max_ms: float = 0.0
+    window: tuple[float, float] = (0.0, 0.0)
+    """Steady state: every session has started and replies still start (monotonic seconds)."""
+    ceiling: dict[str, float] = field(default_factory=dict)
+    """The engine-only run just before this trial."""
+
+    @property
+    def streams_playing(self) -> float:
+        """Mean number of replies playing at once during the steady window (real-time streams served)."""
+        lo, hi = self.window
+        if hi <= lo:
+            return 0.0
+        overlap = sum(max(0.0, min(hi, r.plays_until) - max(lo, r.plays_from)) for r in self.replies)
+        return overlap / (hi - lo)
+
+    @property
+    def cpu_per_stream_ms(self) -> float:
+        """Server CPU milliseconds (all threads) per second of audio played, over the steady window."""
+        playing = self.streams_playing
+        return (self.server_loop_cpu + self.server_other_cpu) / playing * 1000.0 if playing else float("nan")
 
     @property
     def underruns(self) -> int:
@@ -91,7 +114,11 @@ class Trial:
             "stall_max_s": max((r.stall_s for r in self.replies), default=0.0), "errors": len(self.errors),
             "ttfa_p50_ms": percentile(ttfa, 50), "ttfa_p95_ms": percentile(ttfa, 95),
             "ttfa_max_ms": max(ttfa, default=float("nan")),
-            "streams_served": audio / self.wall_s if self.wall_s else 0.0,
+            "audio_s": audio, "streams_playing": self.streams_playing,
+            "ceiling_rtf": self.ceiling.get("aggregate_rtf", float("nan")),
+            "server_cpu_ms_per_audio_s": self.cpu_per_stream_ms,
+            "engine_cpu_ms_per_audio_s": self.ceiling.get("cpu_ms_per_audio_s", float("nan")),
+            "ceiling_runq_wait": self.ceiling.get("runq_wait", float("nan")),
             "server_loop_cpu": self.server_loop_cpu, "server_other_cpu": self.server_other_cpu,
             "server_runq_wait": self.server_runq_wait,
             "client_cpu": self.client_cpu, "client_lag_max_ms": self.client_lag_max_ms,
@@ -101,35 +128,42 @@ class Trial:
 # -- ceiling ----------------------------------------------------------------------------------------------
 
 
-async def engine_ceiling(workers: int, seconds: float, seed: int) -> dict[str, float]:
-    """Aggregate real-time factor of a started `HibariEngine(workers)` kept saturated for `seconds`."""
-    engine = HibariEngine(workers=workers)
-    await engine.start()
-    rng = random.Random(seed)
-    audio_samples = 0
-    requests = 0
-    deadline = time.monotonic() + seconds
+class Ceiling:
+    """A started `HibariEngine(workers)` in this process, idle except while `measure` keeps it saturated."""
 
-    async def feeder(index: int) -> None:
-        nonlocal audio_samples, requests
-        while time.monotonic() < deadline:
-            requests += 1
-            request = SynthesisRequest(f"ceiling-{index}-{requests}", rng.choice(SENTENCES), engine.info.voices[0])
-            async for piece in engine.synthesize(request):
-                audio_samples += len(piece.samples)
+    def __init__(self, workers: int, seed: int) -> None:
+        self.engine = HibariEngine(workers=workers)
+        self.workers = workers
+        self.rng = random.Random(seed)
+        self.requests = 0
 
-    try:
+    async def measure(self, seconds: float) -> dict[str, float]:
+        """Aggregate real-time factor (audio seconds per wall second) over `seconds` of back-to-back requests,
+        with this process's CPU and run-queue wait (cores) meanwhile."""
+        engine = self.engine
+        audio_samples = 0
+        deadline = time.monotonic() + seconds
+
+        async def feeder() -> None:
+            nonlocal audio_samples
+            while time.monotonic() < deadline:
+                self.requests += 1
+                request = SynthesisRequest(f"ceiling-{self.requests}", self.rng.choice(SENTENCES),
+                                           engine.info.voices[0])
+                async for piece in engine.synthesize(request):
+                    audio_samples += len(piece.samples)
+
         started = time.monotonic()
         before = _schedstat(os.getpid())
         # two feeders per worker, so a worker never waits for the event loop to hand it the next job
-        await asyncio.gather(*(feeder(i) for i in range(2 * workers)))
+        await asyncio.gather(*(feeder() for _ in range(2 * self.workers)))
         wall = time.monotonic() - started
         after = _schedstat(os.getpid())
-    finally:
-        await engine.close()
-    rtf = audio_samples / engine.info.sample_rate / wall
-    return {"aggregate_rtf": rtf, "seconds": wall, "requests": requests,
-            "cpu": (after[0] + after[1] - before[0] - before[1]) / wall, "runq_wait": (after[2] - before[2]) / wall}
+        return {"aggregate_rtf": audio_samples / engine.info.sample_rate / wall, "seconds": wall,
+                "cpu": (after[0] + after[1] - before[0] - before[1]) / wall,
+                "cpu_ms_per_audio_s": (after[0] + after[1] - before[0] - before[1]) * 1000.0
+                / (audio_samples / engine.info.sample_rate),
+                "runq_wait": (after[2] - before[2]) / wall}
 
 
 # -- one session ------------------------------------------------------------------------------------------
@@ -198,7 +232,7 @@ class Session:
         underruns, stall, plays_until = _playback(frames)
         ttfa = frames[0][0] - committed_at[0]
         audio_s = sum(n for _, n in frames) / BYTES_PER_SECOND
-        return Reply(ttfa, audio_s, underruns, stall, units), plays_until
+        return Reply(ttfa, audio_s, underruns, stall, units, frames[0][0], plays_until), plays_until
 
 
 def _playback(frames: list[tuple[float, int]]) -> tuple[int, float, float]:
@@ -220,11 +254,12 @@ def _playback(frames: list[tuple[float, int]]) -> tuple[int, float, float]:
 class ServerProcess:
     """`python -m voicewire.realtime` on a free loopback port; the first thread is its event loop."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, isolation: str) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "voicewire.realtime", "--port", str(self.port), "--engine-workers",
-             str(workers), "--max-sessions", "10000", "--no-auth", "--log-level", "WARNING"])
+             str(workers), "--engine-isolation", isolation, "--max-sessions", "10000", "--no-auth",
+             "--log-level", "WARNING"])
 
     @property
     def ws_url(self) -> str:
@@ -244,9 +279,16 @@ class ServerProcess:
         raise TimeoutError("server not ready")
 
     def cpu_seconds(self) -> tuple[float, float, float]:
-        """(event-loop thread CPU, all other threads' CPU, all threads' run-queue wait) seconds so far;
-        the wait is time a runnable thread spent waiting for a core (the machine was oversubscribed)."""
-        return _schedstat(self.proc.pid)
+        """(event-loop thread CPU, CPU of all other threads and of the engine's child processes, run-queue
+        wait of all of them) seconds so far; the wait is time a runnable thread spent waiting for a core
+        (the machine was oversubscribed)."""
+        loop, other, wait = _schedstat(self.proc.pid)
+        for child in _children(self.proc.pid):
+            with contextlib.suppress(OSError):
+                main, rest, child_wait = _schedstat(child)
+                other += main + rest
+                wait += child_wait
+        return loop, other, wait
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -280,19 +322,29 @@ async def trial(server: ServerProcess, n: int, args: argparse.Namespace) -> Tria
     rng = random.Random(args.seed * 1000 + n)
     start = time.monotonic() + 0.2
     stop = start + args.duration
-    cpu_before = server.cpu_seconds()
-    client_before = time.process_time()
+    result.window = (start + args.ramp, stop)
+
+    async def measure_window() -> None:
+        """Server and client CPU over the steady window, where the load is what N sessions make."""
+        lo, hi = result.window
+        await asyncio.sleep(max(0.0, lo - time.monotonic()))
+        server_before, client_before = server.cpu_seconds(), time.process_time()
+        await asyncio.sleep(max(0.0, hi - time.monotonic()))
+        server_after, client_after = server.cpu_seconds(), time.process_time()
+        span = hi - lo
+        result.server_loop_cpu = (server_after[0] - server_before[0]) / span
+        result.server_other_cpu = (server_after[1] - server_before[1]) / span
+        result.server_runq_wait = (server_after[2] - server_before[2]) / span
+        result.client_cpu = (client_after - client_before) / span
+
+    meter = asyncio.create_task(measure_window())
     try:
         await asyncio.gather(*(
             Session(ws, random.Random(rng.random()), args, result).run(start + rng.uniform(0, args.ramp), stop)
             for ws in sockets))
+        await meter
     finally:
-        result.wall_s = time.monotonic() - start
-        cpu_after = server.cpu_seconds()
-        result.server_loop_cpu = (cpu_after[0] - cpu_before[0]) / result.wall_s
-        result.server_other_cpu = (cpu_after[1] - cpu_before[1]) / result.wall_s
-        result.server_runq_wait = (cpu_after[2] - cpu_before[2]) / result.wall_s
-        result.client_cpu = (time.process_time() - client_before) / result.wall_s
+        meter.cancel()
         lag_task.cancel()
         result.client_lag_max_ms = lag.max_ms
         await asyncio.gather(*(ws.close() for ws in sockets), return_exceptions=True)
@@ -313,6 +365,18 @@ def _schedstat(pid: int) -> tuple[float, float, float]:
     return main, other, wait
 
 
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is `pid` (the engine's worker processes)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+            if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
 class _LoopLag:
     """How late this process's event loop wakes from a 10 ms sleep (a starved client misjudges arrivals)."""
 
@@ -328,9 +392,13 @@ class _LoopLag:
 
 @dataclass
 class SearchResult:
-    ceiling: dict[str, float]
     max_sessions: int
     trials: list[Trial]
+
+    @property
+    def ceiling(self) -> float:
+        """Median engine-only aggregate RTF over the runs before each trial."""
+        return percentile([t.ceiling["aggregate_rtf"] for t in self.trials], 50)
 
     @property
     def best(self) -> Trial | None:
@@ -338,32 +406,36 @@ class SearchResult:
 
     def as_dict(self) -> dict[str, object]:
         best = self.best
-        return {"ceiling": self.ceiling, "max_sessions": self.max_sessions,
+        return {"ceiling_rtf_median": self.ceiling, "max_sessions": self.max_sessions,
                 "best": best.summary() if best else None, "trials": [t.summary() for t in self.trials]}
 
 
 async def search(args: argparse.Namespace) -> SearchResult:
-    ceiling = await engine_ceiling(args.engine_workers, args.ceiling_s, args.seed)
-    print(f"engine ceiling: aggregate RTF {ceiling['aggregate_rtf']:.1f} "
-          f"({ceiling['requests']:.0f} requests in {ceiling['seconds']:.1f} s, workers={args.engine_workers}, "
-          f"cpu {ceiling['cpu']:.2f} cores, run-queue wait {ceiling['runq_wait']:.2f})",
-          flush=True)
-    server = ServerProcess(args.engine_workers)
+    ceiling = Ceiling(args.engine_workers, args.seed)
+    await ceiling.engine.start()
+    server = ServerProcess(args.engine_workers, args.engine_isolation)
     trials: list[Trial] = []
+    lo = 0
     try:
         await server.wait_ready()
-        lo, hi = 0, None
+        print(f"server pid {server.proc.pid} on port {server.port} (attach a profiler here)", flush=True)
+        hi: int | None = None
         n = args.sessions or args.start
         while len(trials) < args.max_trials:
+            engine_only = await ceiling.measure(args.ceiling_s)
             result = await trial(server, n, args)
+            result.ceiling = engine_only
             trials.append(result)
             s = result.summary()
-            print(f"N={n:4d} {'pass' if result.passed else 'FAIL'}  underruns {s['underruns']}  "
+            print(f"ceiling {engine_only['aggregate_rtf']:5.1f} (runq wait {engine_only['runq_wait']:.2f})  "
+                  f"N={n:4d} {'pass' if result.passed else 'FAIL'}  underruns {s['underruns']}  "
                   f"stall {s['stall_total_s']:.2f} s  ttfa p95 {s['ttfa_p95_ms']:.0f} ms  "
-                  f"streams {s['streams_served']:.1f}  server cpu loop {s['server_loop_cpu']:.2f} "
+                  f"playing {s['streams_playing']:.1f}  server cpu loop {s['server_loop_cpu']:.2f} "
                   f"other {s['server_other_cpu']:.2f} runq wait {s['server_runq_wait']:.2f}  "
-                  f"client cpu {s['client_cpu']:.2f}  "
-                  f"lag {s['client_lag_max_ms']:.0f} ms  errors {s['errors']}", flush=True)
+                  f"client cpu {s['client_cpu']:.2f}  lag {s['client_lag_max_ms']:.0f} ms  errors {s['errors']}  "
+                  f"cpu ms per audio s: server {s['server_cpu_ms_per_audio_s']:.2f} "
+                  f"engine-only {s['engine_cpu_ms_per_audio_s']:.2f}",
+                  flush=True)
             if result.passed:
                 lo = n
             else:
@@ -376,15 +448,17 @@ async def search(args: argparse.Namespace) -> SearchResult:
                 break
             else:
                 n = (lo + hi) // 2
-            await asyncio.sleep(1.0)
     finally:
         server.stop()
-    return SearchResult(ceiling, lo, trials)
+        await ceiling.engine.close()
+    return SearchResult(lo, trials)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--engine-workers", type=int, default=2)
+    parser.add_argument("--engine-isolation", choices=("process", "thread"), default="process",
+                        help="the server's --engine-isolation (its default is process)")
     parser.add_argument("--sessions", type=int, default=0, help="run one trial at this N instead of searching")
     parser.add_argument("--start", type=int, default=16, help="first N; doubled until a trial fails")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds during which replies start")
@@ -396,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="permessage-deflate offered by the clients (browsers offer it)")
     parser.add_argument("--resolution", type=float, default=0.1, help="stop bisecting at this fraction of N")
     parser.add_argument("--max-trials", type=int, default=8)
-    parser.add_argument("--ceiling-s", type=float, default=10.0, help="seconds of the engine-only run")
+    parser.add_argument("--ceiling-s", type=float, default=5.0,
+                        help="seconds of the engine-only run before each trial")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--json", action="store_true", help="print the results as JSON at the end")
     args = parser.parse_args(argv)
@@ -408,19 +483,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(dump_json({"bench": "capacity", "args": vars(args), **result.as_dict()}))
         return 0
-    ceiling = result.ceiling["aggregate_rtf"]
+    ceiling = result.ceiling
     trials = [t.summary() for t in result.trials]
     print()
-    print(table(["N", "pass", "replies", "units", "underruns", "stall s", "ttfa p50", "ttfa p95", "streams",
-                 "loop cpu", "other cpu", "runq wait", "client cpu", "client lag ms"],
+    print(table(["N", "pass", "replies", "units", "underruns", "stall s", "ttfa p50", "ttfa p95", "playing",
+                 "ceiling", "loop cpu", "other cpu", "runq wait", "client cpu", "client lag ms"],
                 [[t["sessions"], t["passed"], t["replies"], t["units"], t["underruns"], t["stall_total_s"],
-                  t["ttfa_p50_ms"], t["ttfa_p95_ms"], t["streams_served"], t["server_loop_cpu"],
+                  t["ttfa_p50_ms"], t["ttfa_p95_ms"], t["streams_playing"], t["ceiling_rtf"], t["server_loop_cpu"],
                   t["server_other_cpu"], t["server_runq_wait"], t["client_cpu"], t["client_lag_max_ms"]]
                  for t in trials]))
-    print("(ttfa in ms; streams = audio seconds received per wall second; cpu and run-queue wait in cores: "
-          "server event-loop thread, other server threads, server threads waiting for a core, this process)")
+    print("(ttfa in ms; playing: replies playing at once in the steady state, i.e. real-time streams served;\n"
+          " ceiling: engine-only aggregate RTF measured just before the trial; cpu and run-queue wait in cores:\n"
+          " server event-loop thread, other server threads and engine processes, their run-queue wait, this process;\n"
+          " client lag: worst oversleep of this process's loop, which would misdate arrivals)")
     print()
-    print(f"engine ceiling (aggregate RTF, workers={args.engine_workers}): {ceiling:.1f} real-time streams")
+    print(f"engine ceiling (median aggregate RTF, workers={args.engine_workers}): {ceiling:.1f} real-time streams")
     best = result.best
     if best is None:
         print("no N passed")
@@ -428,8 +505,15 @@ def main(argv: list[str] | None = None) -> int:
     summary = best.summary()
     n = result.max_sessions
     print(f"largest N with zero underruns: {n}  (p95 TTFA {summary['ttfa_p95_ms']:.0f} ms, "
-          f"{summary['streams_served']:.1f} streams served)")
-    print(f"N / ceiling: {n / ceiling:.2f}  (target >= 0.80)")
+          f"{summary['streams_playing']:.1f} streams playing at once)")
+    print(f"N / ceiling: {n / ceiling:.2f}  (target >= 0.80); streams playing / ceiling: "
+          f"{summary['streams_playing'] / ceiling:.2f}")
+    passed = [t for t in result.trials if t.passed and t.streams_playing > 0]
+    server_cost = percentile([t.cpu_per_stream_ms for t in passed], 50)
+    engine_cost = percentile([t.ceiling["cpu_ms_per_audio_s"] for t in result.trials], 50)
+    print(f"CPU per second of audio (median): server {server_cost:.2f} ms (all threads, passing trials), "
+          f"engine alone {engine_cost:.2f} ms; efficiency {engine_cost / server_cost:.2f} "
+          "(the fraction of the ceiling a dedicated machine would reach if CPU were the only limit)")
     return 0
 
 

@@ -27,8 +27,12 @@ def render_plan(config: EffectiveConfig, info: EngineInfo, *, stream: bool | Non
 
 
 def synthesis_request(request_id: str, text: str, config: EffectiveConfig, plan: RenderPlan) -> SynthesisRequest:
+    options: dict[str, object] = {}
+    if config.initial_codec_chunk_frames is not None:  # accepted only for codec-frame engines (resolve_config)
+        options["initial_codec_chunk_frames"] = config.initial_codec_chunk_frames
     return SynthesisRequest(request_id=request_id, text=text, voice=config.voice, speed=plan.engine_speed,
-                            language=config.language, seed=config.seed, instructions=config.instructions)
+                            language=config.language, seed=config.seed, instructions=config.instructions,
+                            options=options)
 
 
 async def synthesize_unit(ctx: ServerContext, request: SynthesisRequest, renderer: UnitRenderer, deadline: float,

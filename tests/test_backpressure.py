@@ -6,10 +6,10 @@ import asyncio
 import socket
 
 import websockets
+from voicewire.realtime.settings import Settings
 
 from tests.server import ServerThread
 from tests.wsclient import configure, recv_until, send
-from voicewire.realtime.settings import Settings
 
 SENTENCES = 60
 TEXT = " ".join(f"Sentence number {n} is part of a very long answer nobody reads." for n in range(SENTENCES))

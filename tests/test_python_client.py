@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from voicewire.protocol.audio import float_to_alaw, float_to_mulaw
+from voicewire.realtime.settings import Settings
 from voicewire_client import (
     AudioCancelled,
     AudioData,
@@ -26,7 +27,6 @@ from voicewire_client import (
     stream,
 )
 
-from tests.browser.auth_stub import GOOD_TOKEN, AuthStubThread
 from tests.server import ServerThread, free_port
 
 TEXT = "Hello from the Python client. It writes a wave file, and the file has the right length."
@@ -38,16 +38,25 @@ def wav_seconds(path: Path) -> float:
         return w.getnframes() / w.getframerate()
 
 
+def reported_seconds(stats_line: str) -> float:
+    """The audio length in the CLI's `--stats` line: `TTFA 40 ms (server 30 ms); 3.88 s of audio in 2 units`."""
+    return float(stats_line.split("; ")[1].split(" s ")[0])
+
+
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "voicewire_client", *args], input=stdin, capture_output=True,
                           text=True, timeout=120)
 
 
+KEY = "client-key-0123456789"
+
+
 @pytest.fixture(scope="module")
-def auth_stub() -> Iterator[AuthStubThread]:
-    stub = AuthStubThread()
-    yield stub
-    stub.stop()
+def keyed_server() -> Iterator[ServerThread]:
+    """A server that needs an API key (the shared `server` runs open)."""
+    srv = ServerThread(Settings(api_keys=(KEY,)))
+    yield srv
+    srv.stop()
 
 
 async def test_speak_writes_a_wav_with_the_duration_the_server_reports(server: ServerThread, tmp_path: Path) -> None:
@@ -72,7 +81,8 @@ async def test_an_async_token_stream_is_spoken_as_it_arrives(server: ServerThrea
     first_unit_seen = asyncio.Event()
 
     async def llm() -> AsyncIterator[str]:
-        sentence_one, sentence_two = "The first sentence arrives early. ", "The second waits for the first audio."
+        # "T" is the lookahead that lets the server commit sentence one; the rest waits for its audio.
+        sentence_one, sentence_two = "The first sentence arrives early. T", "he second waits for the first audio."
         for i in range(0, len(sentence_one), 3):
             yield sentence_one[i:i + 3]
         await asyncio.wait_for(first_unit_seen.wait(), 60)
@@ -126,9 +136,11 @@ async def test_json_audio_frames_give_the_same_audio_and_utterance_timed_words(s
 
 async def test_a_refused_config_raises_the_server_error_and_the_session_stays_usable(server: ServerThread) -> None:
     async with connect(server.ws_url) as session:
+        await session.configure()
         with pytest.raises(ServerError) as refused:
             await session.configure(voice="no-such-voice")
-        assert refused.value.event.code == "invalid_config" and "no-such-voice" in str(refused.value)
+        assert refused.value.event.code == "invalid_config" and not refused.value.event.fatal
+        assert "no-such-voice" in str(refused.value)
         await session.configure(voice="heart")
         result = await speak(session, "Still here.")
     assert result.audio.duration_s > 0.3
@@ -150,35 +162,38 @@ def test_cli_says_text_into_a_wav_and_prints_words_and_ttfa(server: ServerThread
     lines = done.stdout.splitlines()
     assert lines[0].split()[-1] == "Hello" and len(lines[0].split()) == 3
     assert lines[-1].startswith("TTFA ") and "ms" in lines[-1] and "2 units" in lines[-1]
-    reported = float(lines[-1].split("; ")[1].split(" s ")[0])
-    assert wav_seconds(out) == pytest.approx(reported, abs=0.01)
+    assert wav_seconds(out) == pytest.approx(reported_seconds(lines[-1]), abs=0.01)
 
 
 def test_cli_streams_stdin_as_it_arrives(server: ServerThread, tmp_path: Path) -> None:
-    """The first sentence is spoken (its words printed) while stdin is still open."""
+    """The first sentence is spoken (its words printed) while stdin is still open. ("A" is the lookahead
+    the server's segmenter needs to commit sentence one.)"""
     out = tmp_path / "stdin.wav"
     proc = subprocess.Popen([sys.executable, "-m", "voicewire_client", "say", "-", "-o", str(out), "--url",
                              server.ws_url, "--timestamps", "--stats"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
     try:
-        proc.stdin.write("Streaming from standard input works. ")
+        proc.stdin.write("Streaming from standard input works. A")
         proc.stdin.flush()
         first_line: list[str] = []
         reader = threading.Thread(target=lambda: first_line.append(proc.stdout.readline()))  # type: ignore[union-attr]
         reader.start()
         reader.join(60)
         assert first_line and first_line[0].split()[-1] == "Streaming", "words of sentence one before EOF"
-        proc.stdin.write("And this arrives later.\n")
+        proc.stdin.write("nd this arrives later.\n")
         proc.stdin.close()
-        rest, err = proc.communicate(timeout=60)
+        rest = proc.stdout.read()  # the same buffered reader as the first line
+        err = proc.stderr.read() if proc.stderr else ""
+        proc.wait(60)
     finally:
         proc.kill()
     assert proc.returncode == 0, err
     words = [first_line[0].split()[-1]] + [line.split()[-1] for line in rest.splitlines()[:-1]]
     assert words == ["Streaming", "from", "standard", "input", "works", "And", "this", "arrives", "later"]
-    assert "2 units" in rest.splitlines()[-1]
-    assert wav_seconds(out) > 2.0
+    stats = rest.splitlines()[-1]
+    assert "2 units" in stats
+    assert wav_seconds(out) == pytest.approx(reported_seconds(stats), abs=0.01)
 
 
 def test_refused_connection_is_a_clear_error_and_a_nonzero_exit(tmp_path: Path) -> None:
@@ -197,17 +212,19 @@ def test_refused_connection_is_a_clear_error_and_a_nonzero_exit(tmp_path: Path) 
     assert not (tmp_path / "x.wav").exists()
 
 
-def test_wrong_token_is_a_clear_error_and_a_nonzero_exit(auth_stub: AuthStubThread, tmp_path: Path) -> None:
-    """Against a stand-in for the coming API-key check (401 before the upgrade, as PROTOCOL.md says)."""
-    done = cli("say", "Hello.", "-o", str(tmp_path / "x.wav"), "--url", auth_stub.ws_url, "--token", "wrong")
+def test_wrong_token_is_a_clear_error_and_a_nonzero_exit(keyed_server: ServerThread, tmp_path: Path) -> None:
+    done = cli("say", "Hello.", "-o", str(tmp_path / "x.wav"), "--url", keyed_server.ws_url, "--token", "wrong")
     assert done.returncode == 1
-    assert "rejected the token (HTTP 401)" in done.stderr and "--token" in done.stderr
+    assert done.stderr.strip() == (f"voicewire-client: error: the server at {keyed_server.ws_url} rejected the "
+                                   "token (HTTP 401): check --token or VOICEWIRE_TOKEN")
+    assert not (tmp_path / "x.wav").exists()
 
-    async def good_token_passes_the_gate() -> None:
-        with pytest.raises(ConnectError, match="HTTP 501"):
-            await connect(auth_stub.ws_url, token=GOOD_TOKEN)
 
-    asyncio.run(good_token_passes_the_gate())
+def test_the_right_token_speaks(keyed_server: ServerThread, tmp_path: Path) -> None:
+    out = tmp_path / "keyed.wav"
+    done = cli("say", "The key works.", "-o", str(out), "--url", keyed_server.http_url, "--token", KEY)
+    assert done.returncode == 0, done.stderr
+    assert wav_seconds(out) > 0.5
 
 
 def test_server_error_event_is_a_clear_error_and_a_nonzero_exit(server: ServerThread, tmp_path: Path) -> None:

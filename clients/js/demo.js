@@ -217,8 +217,12 @@ async function speak(text = $("text").value) {
     await ensureSession();
     await client.configure(config());
   } catch (err) {
-    setConnection("not connected", "bad");
-    showMessage(err.message);
+    if (err.kind === "server") {
+      showMessage(`The server refused these settings: ${err.message}`);
+    } else {
+      setConnection("not connected", "bad");
+      showMessage(err.message);
+    }
     return;
   }
   const rec = {

@@ -2,6 +2,7 @@
 //
 //   node drive.mjs main    BASE_URL SCREENSHOT   speak a paragraph, stop mid-utterance, speak again
 //   node drive.mjs message PAGE_URL              open the page, press Speak, report the message shown
+//   node drive.mjs load    PAGE_URL              open the page, report its connection and message
 //
 // The assertions live in tests/test_browser.py; this script only acts as a user would and reports
 // what the page shows and what its player counted.
@@ -140,9 +141,20 @@ async function message(url) {
   return shown;
 }
 
+async function load(url) {
+  const page = await openPage(url);
+  const shown = await page.evaluate(() => ({
+    message: window.voicewireDemo.message,
+    connection: document.getElementById("connection").textContent,
+  }));
+  await page.close();
+  return shown;
+}
+
+const modes = { main, message, load };
 let result;
 try {
-  result = mode === "main" ? await main(target) : await message(target);
+  result = await modes[mode](target);
 } catch (err) {
   result = { failure: String(err && err.stack ? err.stack : err) };
 } finally {

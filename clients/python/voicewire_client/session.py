@@ -24,6 +24,7 @@ import asyncio
 import base64
 import contextlib
 import json
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -34,7 +35,6 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from voicewire_client.events import (
-    AudioCancelled,
     AudioData,
     AudioDone,
     AudioStart,
@@ -55,8 +55,9 @@ STREAMING_DEFAULTS: Final[dict[str, Any]] = {
     "audio_frames": "binary",
 }
 """What `configure()` sends unless told otherwise: pcm16 streamed in binary frames and a unit per sentence
-(pipelined while text arrives); add `word_timestamps=True` for `AudioWords`. The server's own defaults are vllm-omni's (one whole
-WAV per utterance); pass `split_granularity="none", response_format="wav", ...` to get those."""
+(pipelined while text arrives); add `word_timestamps=True` for `AudioWords`. The server's own defaults are
+vllm-omni's (one whole WAV per utterance); pass `split_granularity="none", response_format="wav", ...` to
+get those."""
 
 
 class VoicewireError(Exception):
@@ -106,8 +107,10 @@ class Session:
 
     def __init__(self, ws: ClientConnection, *, max_queued: int = 1024) -> None:
         self._ws = ws
-        self._queue: asyncio.Queue[Event] = asyncio.Queue(max_queued)
-        self._closed_signal = asyncio.Event()
+        self._events: deque[Event] = deque()
+        self._max_queued = max_queued
+        self._arrived = asyncio.Event()
+        self._room = asyncio.Event()
         self._configuring: asyncio.Future[SessionUpdated] | None = None
         self._unit: AudioStart | None = None
         self._unit_offset_ms: dict[int, float] = {}
@@ -121,20 +124,22 @@ class Session:
 
     # -- messages out ------------------------------------------------------------------------------
 
-    async def configure(self, *, timeout: float = 30.0, **config: Any) -> SessionUpdated:
+    async def configure(self, **config: Any) -> SessionUpdated:
         """Send `session.config` (`STREAMING_DEFAULTS` overridden by `config`; `None` values dropped) and
         return the server's `session.updated`. Raises `ServerError` when the server refuses it (the old
-        config stays in force), `SessionClosedError` when the socket closes first."""
+        config stays in force; before the first accepted config a refusal is fatal and the server closes
+        the socket), `SessionClosedError` when the socket closes first."""
         fields = {k: v for k, v in {**STREAMING_DEFAULTS, **config}.items() if v is not None}
-        loop = asyncio.get_running_loop()
-        self._configuring = loop.create_future()
+        answer: asyncio.Future[SessionUpdated] = asyncio.get_running_loop().create_future()
+        self._configuring = answer
         try:
             await self._send({"type": "session.config", **fields})
-            async with asyncio.timeout(timeout):
-                self.updated = await self._configuring
+            self.updated = await answer
             return self.updated
         finally:
             self._configuring = None
+            if answer.done() and not answer.cancelled():
+                answer.exception()  # retrieved: a close racing a failed send must not log a stray error
 
     async def send_text(self, text: str, *, context_id: str | None = None) -> None:
         """Append a text delta (any size: a token, a word, a sentence); opens an utterance if none is."""
@@ -161,7 +166,7 @@ class Session:
     async def close(self) -> None:
         """Send `session.close` and close the socket (idempotent)."""
         if self._closed is None:
-            with contextlib.suppress(websockets.ConnectionClosed):
+            with contextlib.suppress(SessionClosedError):
                 await self._send({"type": "session.close"})
         await self._ws.close()
         with contextlib.suppress(asyncio.CancelledError):
@@ -182,7 +187,12 @@ class Session:
         return "" if self._closed is None else self._closed.reason
 
     async def _send(self, message: dict[str, Any]) -> None:
-        await self._ws.send(json.dumps(message))
+        try:
+            await self._ws.send(json.dumps(message))
+        except websockets.ConnectionClosed as exc:
+            received = exc.rcvd
+            raise SessionClosedError(received.code if received else None,
+                                     received.reason if received else "") from None
 
     # -- events in ---------------------------------------------------------------------------------
 
@@ -197,37 +207,35 @@ class Session:
             return item
 
     async def _next_queued(self) -> Event:
-        if not self._queue.empty():
-            return self._queue.get_nowait()
-        if self._closed is not None:
-            raise StopAsyncIteration
-        getter = asyncio.ensure_future(self._queue.get())
-        closed = asyncio.ensure_future(self._closed_signal.wait())
-        try:
-            await asyncio.wait((getter, closed), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            closed.cancel()
-            if not getter.done():
-                getter.cancel()
-        if getter.done() and not getter.cancelled():
-            return getter.result()
-        if not self._queue.empty():
-            return self._queue.get_nowait()
-        raise StopAsyncIteration
+        """Cancellation-safe: an event leaves the queue only in the same step as it is returned."""
+        while not self._events:
+            if self._closed is not None:
+                raise StopAsyncIteration
+            self._arrived.clear()
+            await self._arrived.wait()
+        self._room.set()
+        return self._events.popleft()
+
+    async def _enqueue(self, event: Event) -> None:
+        while len(self._events) >= self._max_queued:
+            self._room.clear()
+            await self._room.wait()
+        self._events.append(event)
+        self._arrived.set()
 
     async def _read_loop(self) -> None:
         try:
             async for frame in self._ws:
                 for event in self._events_of(frame):
                     if not self._answers_configure(event):
-                        await self._queue.put(event)
+                        await self._enqueue(event)
         except websockets.ConnectionClosed:
             pass
         finally:
             self._closed = _Closed(self._ws.close_code, self._ws.close_reason or "")
             if self._configuring is not None and not self._configuring.done():
                 self._configuring.set_exception(SessionClosedError(self._closed.code, self._closed.reason))
-            self._closed_signal.set()
+            self._arrived.set()
 
     def _events_of(self, frame: str | bytes) -> list[Event]:
         if isinstance(frame, bytes):
@@ -275,7 +283,7 @@ class Session:
         return False
 
 
-class connect:  # noqa: N801 (used like a function: `async with connect(...)`)
+class connect:
     """Open a session: `async with connect(url, token=...) as session:` (or `session = await connect(...)`
     and `await session.close()`).
 

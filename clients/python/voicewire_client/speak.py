@@ -61,17 +61,13 @@ async def stream(session: Session, text: TextSource, *, context_id: str | None =
 
     sender = asyncio.create_task(send_all(), name="voicewire-client-sender")
     try:
-        async for event in session:
+        async for event in _events_while_sending(session, sender):
             if isinstance(event, ErrorEvent):
                 raise ServerError(event)
             yield event
             if isinstance(event, SessionDone | AudioCancelled) and event.utterance_index == index:
                 finished = True
                 break
-            if sender.done() and sender.exception() is not None:
-                break
-        if sender.done() and sender.exception() is not None:
-            raise sender.exception()  # type: ignore[misc]
         if not finished:
             raise SessionClosedError(session.close_code, session.close_reason)
         await sender
@@ -83,6 +79,33 @@ async def stream(session: Session, text: TextSource, *, context_id: str | None =
         if not finished and session.close_code is None:
             with contextlib.suppress(Exception):
                 await session.cancel(context_id=context_id)
+
+
+async def _events_while_sending(session: Session, sender: asyncio.Task[None]) -> AsyncIterator[Event]:
+    """The session's events; re-raises the sender's exception as soon as it fails (a failing text
+    source must not leave the caller waiting for audio that will never come)."""
+    receiving: asyncio.Future[Event] | None = None
+    try:
+        while True:
+            if receiving is None:
+                receiving = asyncio.ensure_future(anext(session))
+            if sender.done():
+                await asyncio.wait((receiving,))
+            else:
+                await asyncio.wait((receiving, sender), return_when=asyncio.FIRST_COMPLETED)
+            if sender.done() and sender.exception() is not None:
+                raise sender.exception()  # type: ignore[misc]
+            if not receiving.done():
+                continue
+            done, receiving = receiving, None
+            try:
+                event = done.result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:
+        if receiving is not None and not receiving.done():
+            receiving.cancel()
 
 
 @dataclass(slots=True)
