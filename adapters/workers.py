@@ -80,6 +80,7 @@ class ProcessEngine:
         self._pool: list[_Worker | None] = [None] * workers
         self._info: EngineInfo | None = None
         self._ids = itertools.count()
+        self._turns = itertools.count()
         self._closing = False
         self._restarts: set[asyncio.Task[None]] = set()
         self._stats = WorkerStats()
@@ -160,7 +161,9 @@ class ProcessEngine:
         live = [w for w in self._pool if w is not None and w.alive and w.ready.done()]
         if not live:
             raise EngineWorkerDied("no engine worker is running; they are being restarted")
-        return min(live, key=lambda w: len(w.inflight))
+        # Least loaded first; among equals, rotate so idle workers share the work evenly.
+        turn = next(self._turns)
+        return min(live, key=lambda w: (len(w.inflight), (w.index - turn) % self.workers))
 
     async def _spawn(self, index: int) -> EngineInfo:
         loop = asyncio.get_running_loop()
