@@ -81,3 +81,31 @@ async def test_faults_in_one_session_leave_another_untouched(faulty: ServerThrea
 
     broken, fine = await asyncio.gather(victim(), bystander())
     assert broken == [True, True, True] and fine == [False, False, False]
+
+
+async def test_rest_engine_failures_are_reported_in_openai_shape(faulty: ServerThread) -> None:
+    import aiohttp
+
+    url = f"{faulty.http_url}/v1/audio/speech"
+    async with aiohttp.ClientSession() as http:
+        # Before any audio: a clean 500 in OpenAI's error shape.
+        async with http.post(url, json={"input": "[raise-first] Nothing comes out.", "voice": "alloy",
+                                        "response_format": "wav", "stream": False}) as resp:
+            body = await resp.json()
+        assert resp.status == 500 and body["error"]["code"] == "generation_failed"
+        assert body["error"]["type"] == "server_error"
+        # After audio went out as SSE: a speech.audio.error event ends the stream.
+        async with http.post(url, json={"input": "Fine first. Then [raise] broken.", "voice": "alloy",
+                                        "stream_format": "sse"}) as resp:
+            events = [line[len("event: "):] for line in (await resp.text()).splitlines() if line.startswith("event:")]
+        assert resp.status == 200 and "speech.audio.delta" in events and events[-1] == "speech.audio.error"
+        assert "speech.audio.done" not in events
+        # After raw audio went out: the body is cut short, so the client can tell it is incomplete.
+        async with http.post(url, json={"input": "Fine first. Then [raise] broken.", "voice": "alloy",
+                                        "response_format": "pcm"}) as resp:
+            assert resp.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()
+        # The server is fine afterwards.
+        async with http.post(url, json={"input": "All good now.", "voice": "alloy", "response_format": "pcm"}) as resp:
+            assert resp.status == 200 and len(await resp.read()) > 24000
