@@ -306,16 +306,17 @@ class SessionRuntime:
                 kept.append(item)
                 continue
             if isinstance(item, UnitJob):
+                self.ctx.metrics.units.labels("cancelled").inc()
                 if item.task is not None:
                     item.task.cancel()
                 if item.started_sent:
+                    sent_ms = item.samples_sent * 1000.0 / item.unit.config.sample_rate
                     self._control.append(AudioDone(
                         utterance_index=index, sentence_index=item.unit.sentence_index,
-                        total_bytes=item.bytes_sent, error=True, audio_ms=_ms(item.renderer.audio_ms)))
+                        total_bytes=item.bytes_sent, error=True, audio_ms=_ms(sent_ms)))
         self._outq = kept
         self._control.append(AudioCancelled(utterance_index=index, audio_ms=_ms(stats.audio_ms),
                                             context_id=context_id))
-        self.ctx.metrics.units.labels("cancelled").inc()
         self._wake.set()
         self._pump()
 
