@@ -30,6 +30,9 @@ class Metrics:
                                 ["route", "status"], registry=r)
         self.rest_in_flight = Gauge("voicewire_rest_speech_in_flight", "REST speech requests synthesizing now",
                                     registry=r)
+        self.event_loop_tasks = Gauge("voicewire_event_loop_tasks",
+                                      "asyncio tasks alive on the server's event loop (read at scrape time)",
+                                      registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

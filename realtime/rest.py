@@ -433,9 +433,11 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """`GET /metrics`: Prometheus text; the engine gauges are read from the scheduler now."""
+    """`GET /metrics`: Prometheus text; the engine gauges are read from the scheduler now, the event loop's
+    task count (a leak detector for soak runs) from asyncio now."""
     ctx = request.app[REST].ctx
     if ctx.scheduler is not None:
         ctx.metrics.engine_queue.set(ctx.scheduler.queue_depth)
         ctx.metrics.engine_in_use.set(ctx.scheduler.in_use)
+    ctx.metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
     return web.Response(body=ctx.metrics.render(), headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})

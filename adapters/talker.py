@@ -1,0 +1,409 @@
+"""The talker/codec engine: an autoregressive talker on vLLM emits SNAC codes, decoded in ramped chunks.
+
+First model family: the Orpheus layout (`talker_layout.py`): a Llama talker whose vocabulary carries SNAC
+24 kHz codes, 7 per frame, decoded by the `snac` package's model (`talker_codec.py`). Both models come
+from local folders only (`TalkerConfig.talker_model`, `.codec_model`); nothing is fetched at run time.
+
+One `AsyncLLM` serves every session: each unit is one vLLM request streaming token ids
+(`RequestOutputKind.DELTA`), so all sessions' talker steps are continuously batched together. The talker
+runs ahead on its own while a unit's audio is decoded and sent. Frames are grouped into chunks by the
+ramped schedule of `ChunkStreamer`, and every session's chunks go through one `CodecBatcher`, which
+decodes windows of equal length as one batch.
+
+Voices: Orpheus' names (or those of an optional `voices.json` in the talker folder, each with a
+conditioning prefix of token ids, e.g. a reference turn for zero-shot cloning). Each voice's prompt
+prefix is prefix-cached by vLLM, salted with a hash of the voice's name and prefix (`cache_salt`), so
+two voices never share a cache entry even where their tokens coincide.
+
+Cancel: closing the iterator or cancelling its consumer aborts the vLLM request (`abort(request_id)`),
+which stops its token generation and frees its KV cache blocks at the next engine step.
+
+Random-weight mode (`random_weights=True`, for tests and benchmarks only): the talker is built from its
+`config.json` with `load_format="dummy"`. Such a talker never emits a stop token and emits arbitrary ids,
+so each unit's length is forced (`min_tokens = max_tokens`, `frames_per_char` frames per character of
+text) and every token id is taken as a code (`token % 4096`, `FrameParser.any_token_is_code`). (Restricting
+sampling to the code ids with `allowed_token_ids` is not an option: vLLM's GPU runner caps that list at
+1024 ids, and the codes span 28672.) With real weights none of that applies: the talker stops at
+end-of-speech and codes are parsed strictly by slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+from voicewire.adapters.base import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest
+from voicewire.adapters.talker_codec import ChunkPolicy, ChunkStreamer, CodecBatcher, CodecStats, SnacCodec
+from voicewire.adapters.talker_layout import (
+    CODES_PER_FRAME,
+    ORPHEUS_VOICES,
+    SAMPLE_RATE,
+    STOP_TOKEN_IDS,
+    FrameParser,
+    build_prompt,
+)
+
+log = logging.getLogger("voicewire.talker")
+
+WARMUP_TEXT = "Warm up the talker."
+
+
+@dataclass(frozen=True, slots=True)
+class TalkerConfig:
+    """Everything the talker engine needs; `voicewire serve --engine talker` fills it from flags.
+
+    `max_concurrency` is both vLLM's `max_num_seqs` and the scheduler's cap on units computed at once.
+    `gpu_memory_utilization` is vLLM's share of the accelerator (on a CPU build: of RAM) for weights and
+    KV cache. `max_frames` caps one unit (7 tokens per frame, 85.3 ms of audio per frame).
+    """
+
+    talker_model: str
+    codec_model: str
+    codec_device: str = "auto"
+    max_concurrency: int = 64
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.8
+    dtype: str = "bfloat16"
+    enforce_eager: bool = False
+    max_frames: int = 350
+    temperature: float = 0.6
+    top_p: float = 0.8
+    repetition_penalty: float = 1.3
+    chunks: ChunkPolicy = field(default_factory=ChunkPolicy)
+    codec_max_batch: int = 64
+    random_weights: bool = False
+    frames_per_char: float = 0.75
+    """Random-weight mode only: forced unit length (about 64 ms of audio per character)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TalkerStats:
+    """A snapshot of the engine's counters since `start()`.
+
+    Requests: `started` = `completed` + `cancelled` + `failed` + those in flight. `tokens` and `frames`
+    count what the talker streamed to us; `chunks` the audio pieces yielded. `cached_prompt_tokens` sums
+    vLLM's prefix-cache hits over all prompts (`prompt_tokens`). From vLLM's own per-step statistics:
+    `engine_steps`, `batched_steps` (steps that ran more than one request), `peak_running` (most requests
+    in one step), `running` and `kv_cache_usage` (after the latest step), `generated_tokens`.
+    """
+
+    started: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    tokens: int = 0
+    frames: int = 0
+    chunks: int = 0
+    slot_mismatches: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    engine_steps: int = 0
+    batched_steps: int = 0
+    peak_running: int = 0
+    running: int = 0
+    kv_cache_usage: float = 0.0
+    generated_tokens: int = 0
+    codec: CodecStats = field(default_factory=CodecStats)
+
+
+@dataclass(frozen=True, slots=True)
+class TalkerVoice:
+    """A voice: its name, the token ids conditioning it (prepended to every prompt), whether the text
+    turn says `"{name}: "` first (Orpheus' finetuned voices), and its prefix-cache salt."""
+
+    name: str
+    prefix_token_ids: tuple[int, ...] = ()
+    name_prefix: bool = True
+
+    @property
+    def cache_salt(self) -> str:
+        digest = hashlib.sha256(json.dumps([self.name, list(self.prefix_token_ids), self.name_prefix]).encode())
+        return digest.hexdigest()[:32]
+
+
+class _Tokenizer(Protocol):
+    def encode(self, text: str) -> Any: ...
+
+
+class _RequestOutput(Protocol):
+    """The fields of vLLM's `RequestOutput` read here (vLLM ships no type hints we can rely on)."""
+
+    finished: bool
+    num_cached_tokens: int | None
+    outputs: list[Any]
+
+
+def load_voices(talker_dir: Path) -> tuple[TalkerVoice, ...]:
+    """`voices.json` of the talker folder (`{"name": {"prefix_token_ids": [...], "name_prefix": true}}`,
+    first = default), or Orpheus' finetuned voices."""
+    path = talker_dir / "voices.json"
+    if not path.is_file():
+        return tuple(TalkerVoice(name) for name in ORPHEUS_VOICES)
+    entries = cast(dict[str, dict[str, Any]], json.loads(path.read_text()))
+    if not entries:
+        raise ValueError(f"talker: {path} defines no voice")
+    return tuple(
+        TalkerVoice(name, tuple(int(t) for t in entry.get("prefix_token_ids", ())),
+                    bool(entry.get("name_prefix", True)))
+        for name, entry in entries.items()
+    )
+
+
+class TalkerEngine:
+    """The talker/codec engine behind the voicewire `Engine` interface (see the module doc)."""
+
+    def __init__(self, config: TalkerConfig) -> None:
+        self.config = config
+        talker_dir = Path(config.talker_model)
+        if not (talker_dir / "config.json").is_file():
+            raise FileNotFoundError(f"talker: {talker_dir}/config.json is missing (--talker-model must be a folder)")
+        if not (talker_dir / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"talker: {talker_dir}/tokenizer.json is missing")
+        voices = load_voices(talker_dir)
+        self._voices = {voice.name: voice for voice in voices}
+        self._info = EngineInfo(
+            name="talker",
+            sample_rate=SAMPLE_RATE,
+            voices=tuple(self._voices),
+            default_voice=voices[0].name,
+            languages=("en",),
+            capabilities=EngineCapabilities(
+                word_timings=False, voice_cloning=False, speed_range=(1.0, 1.0), seed=True,
+                streaming="frame", codec_frames=True,
+            ),
+            max_concurrency=config.max_concurrency,
+        )
+        self._codec = SnacCodec(config.codec_model, config.codec_device)
+        self._batcher = CodecBatcher(self._codec, config.codec_max_batch)
+        self._tokenizer: _Tokenizer | None = None
+        self._llm: Any = None
+        self._stats = TalkerStats()
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def stats(self) -> TalkerStats:
+        return replace(self._stats, codec=self._batcher.stats)
+
+    async def start(self) -> None:
+        """Load the tokenizer, the codec and the talker (vLLM spawns its engine-core process), then run one
+        unit through the whole path and decode every window length of the standard ramp once."""
+        if self._llm is not None:
+            return
+        from tokenizers import Tokenizer
+
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # one host: vLLM's address discovery is not needed
+        self._tokenizer = cast(_Tokenizer, Tokenizer.from_file(str(Path(self.config.talker_model) / "tokenizer.json")))
+        await asyncio.to_thread(self._codec.load)
+        self._llm = await asyncio.to_thread(self._create_llm)
+        self._batcher.start()
+        try:
+            await self._warm_up()
+        except BaseException:
+            await self.close()
+            raise
+        self._stats = TalkerStats()
+
+    async def close(self) -> None:
+        """Abort nothing (callers close their iterators first); stop the codec worker and vLLM."""
+        await self._batcher.close()
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+
+    def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
+        return self._synthesize(request)
+
+    def prompt_token_ids(self, voice: str, text: str) -> list[int]:
+        """The unit's prompt exactly as sent to the talker (Orpheus' format)."""
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            raise RuntimeError("talker: engine is not started (call start() first)")
+        entry = self._voices[voice]
+        spoken = f"{voice}: {text}" if entry.name_prefix else text
+        return build_prompt(entry.prefix_token_ids, list(tokenizer.encode(spoken).ids))
+
+    def unit_frames(self, text: str, max_new_tokens: int | None = None) -> int:
+        """Random-weight mode: the forced length of a unit in frames."""
+        frames = max(1, round(len(text) * self.config.frames_per_char))
+        if max_new_tokens is not None:
+            frames = min(frames, max(1, max_new_tokens // CODES_PER_FRAME))
+        return min(frames, self.config.max_frames)
+
+    async def talker_tokens(self, request: SynthesisRequest) -> AsyncGenerator[int, None]:
+        """The talker alone for one unit (same prompt and sampling as `synthesize`, no codec): yields the
+        number of tokens of each streamed output. For benchmarks that measure what the serving path adds;
+        closing it aborts the request."""
+        llm = self._llm
+        if llm is None:
+            raise RuntimeError("talker: engine is not started (call start() first)")
+        voice = self._voices[request.voice]
+        prompt = {"prompt_token_ids": self.prompt_token_ids(voice.name, request.text), "cache_salt": voice.cache_salt}
+        stream = llm.generate(prompt, self._sampling_params(request), request.request_id)
+        finished = False
+        try:
+            async for output in cast(AsyncIterator[_RequestOutput], stream):
+                finished = output.finished
+                yield len(output.outputs[0].token_ids)
+        finally:
+            if not finished:
+                await llm.abort(request.request_id)
+            await stream.aclose()
+
+    # -- request -------------------------------------------------------------------------------------
+
+    async def _synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
+        llm = self._llm
+        if llm is None:
+            raise RuntimeError("talker: engine is not started (call start() first)")
+        voice = self._voices.get(request.voice)
+        if voice is None:
+            raise ValueError(f"talker: unknown voice {request.voice!r}; available: {', '.join(self._voices)}")
+        if request.speed != 1.0:
+            raise ValueError(f"talker: speed {request.speed} is outside the native range 1.0..1.0")
+        initial = _option_int(request, "initial_codec_chunk_frames") or self.config.chunks.initial_frames
+        prompt = {"prompt_token_ids": self.prompt_token_ids(voice.name, request.text), "cache_salt": voice.cache_salt}
+        params = self._sampling_params(request)
+        streamer = ChunkStreamer(self.config.chunks, initial)
+        parser = FrameParser(any_token_is_code=self.config.random_weights)
+        self._count(started=1, prompt_tokens=len(prompt["prompt_token_ids"]))
+        outcome = "cancelled"
+        finished = False
+        stream = llm.generate(prompt, params, request.request_id)
+        try:
+            async for output in cast(AsyncIterator[_RequestOutput], stream):
+                if output.num_cached_tokens:
+                    self._count(cached_prompt_tokens=output.num_cached_tokens)
+                tokens = list(output.outputs[0].token_ids)
+                frames = parser.feed(tokens)
+                self._count(tokens=len(tokens), frames=len(frames))
+                finished = output.finished
+                for window in streamer.push(frames):
+                    audio = await self._batcher.decode(window)
+                    self._count(chunks=1)
+                    yield AudioPiece(audio, SAMPLE_RATE)
+            finished = True
+            for window in streamer.finish():
+                audio = await self._batcher.decode(window)
+                self._count(chunks=1)
+                yield AudioPiece(audio, SAMPLE_RATE)
+            outcome = "completed"
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except BaseException:
+            outcome = "failed"
+            raise
+        finally:
+            if not finished:
+                await llm.abort(request.request_id)
+            await stream.aclose()
+            self._count(slot_mismatches=parser.slot_mismatches, **{outcome: 1})
+
+    def _sampling_params(self, request: SynthesisRequest) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        c = self.config
+        common: dict[str, Any] = {"output_kind": RequestOutputKind.DELTA, "detokenize": False, "seed": request.seed}
+        max_new_tokens = _option_int(request, "max_new_tokens")
+        if c.random_weights:
+            tokens = self.unit_frames(request.text, max_new_tokens) * CODES_PER_FRAME
+            return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=1.0, **common)
+        tokens = c.max_frames * CODES_PER_FRAME
+        if max_new_tokens is not None:
+            tokens = min(tokens, max_new_tokens)
+        return SamplingParams(max_tokens=tokens, stop_token_ids=list(STOP_TOKEN_IDS), temperature=c.temperature,
+                              top_p=c.top_p, repetition_penalty=c.repetition_penalty, **common)
+
+    # -- start-up ------------------------------------------------------------------------------------
+
+    def _create_llm(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        c = self.config
+        args = AsyncEngineArgs(
+            model=c.talker_model, skip_tokenizer_init=True, load_format="dummy" if c.random_weights else "auto",
+            enable_prefix_caching=True, max_num_seqs=c.max_concurrency, max_model_len=c.max_model_len,
+            gpu_memory_utilization=c.gpu_memory_utilization, dtype=cast(Any, c.dtype), enforce_eager=c.enforce_eager,
+            seed=0, disable_log_stats=False,
+        )
+        return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._record_step)])
+
+    async def _warm_up(self) -> None:
+        policy = self.config.chunks
+        size, emitted, lengths = policy.initial_frames, 0, set()
+        while True:
+            lookahead = policy.lookahead_frames if emitted >= policy.lookahead_from_frame else 0
+            lengths.add(min(policy.left_context_frames, emitted) + size + lookahead)
+            if size >= policy.steady_frames:
+                break
+            emitted += size
+            size = min(max(emitted, 1), policy.steady_frames)
+        loop = asyncio.get_running_loop()
+        for length in sorted(lengths):
+            codes = _warm_codes(length)
+            await loop.run_in_executor(None, self._codec.decode, codes)
+        request = SynthesisRequest(request_id="talker-warmup", text=WARMUP_TEXT, voice=self._info.default_voice,
+                                   seed=0, options={"max_new_tokens": 4 * CODES_PER_FRAME})
+        async for _ in self._synthesize(request):
+            pass
+
+    # -- counters ------------------------------------------------------------------------------------
+
+    def _record_step(self, running: int, kv_cache_usage: float, generated: int) -> None:
+        s = self._stats
+        self._stats = replace(
+            s, engine_steps=s.engine_steps + 1, batched_steps=s.batched_steps + (running > 1),
+            peak_running=max(s.peak_running, running), running=running, kv_cache_usage=kv_cache_usage,
+            generated_tokens=s.generated_tokens + generated,
+        )
+
+    def _count(self, **deltas: int) -> None:
+        s = self._stats
+        self._stats = replace(s, **{name: getattr(s, name) + value for name, value in deltas.items()})
+
+
+def _option_int(request: SynthesisRequest, name: str) -> int | None:
+    value = request.options.get(name)
+    return None if value is None else int(cast(int, value))
+
+
+def _warm_codes(frames: int) -> Any:
+    import numpy as np
+
+    return np.random.default_rng(frames).integers(0, 4096, size=(1, frames, CODES_PER_FRAME), dtype=np.int64)
+
+
+def _stat_logger_factory(record: Callable[[int, float, int], None]) -> Callable[[Any, int], Any]:
+    """A vLLM per-engine stat logger factory feeding each engine step's scheduler statistics to `record`:
+    (requests running, KV cache usage 0..1, tokens generated in the step). Runs on vLLM's output handler."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _StepRecorder(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+            if scheduler_stats is None:
+                return
+            usage = getattr(scheduler_stats, "kv_cache_usage", getattr(scheduler_stats, "gpu_cache_usage", 0.0))
+            generated = getattr(iteration_stats, "num_generation_tokens", 0) if iteration_stats is not None else 0
+            record(int(scheduler_stats.num_running_reqs), float(usage), int(generated))
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    def factory(vllm_config: Any, engine_index: int = 0) -> Any:
+        return _StepRecorder(vllm_config, engine_index)
+
+    return factory

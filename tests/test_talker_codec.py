@@ -1,0 +1,129 @@
+"""The talker's codec side without vLLM: token parsing, the ramped chunk schedule, seam-free chunked
+decoding with a random-init SNAC decoder, and batching across requests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from voicewire.adapters.talker_codec import ChunkPolicy, ChunkStreamer, CodecBatcher, DecodeWindow, SnacCodec
+from voicewire.adapters.talker_layout import (
+    AUDIO_BASE,
+    CODEBOOK_SIZE,
+    END_OF_SPEECH,
+    SAMPLES_PER_FRAME,
+    START_OF_SPEECH,
+    FrameParser,
+)
+from voicewire.adapters.talker_testing import write_snac
+
+F = SAMPLES_PER_FRAME
+
+
+@pytest.fixture(scope="module")
+def codec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SnacCodec]:
+    codec = SnacCodec(write_snac(Path(tmp_path_factory.mktemp("snac"))), device="cpu")
+    codec.load()
+    yield codec
+
+
+def random_frames(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, CODEBOOK_SIZE, size=(n, 7), dtype=np.int64)
+
+
+def stream_windows(policy: ChunkPolicy, frames: np.ndarray, bursts: list[int], initial: int | None = None,
+                   ) -> list[DecodeWindow]:
+    streamer = ChunkStreamer(policy, initial or policy.initial_frames)
+    windows, at = [], 0
+    for size in bursts:
+        windows += streamer.push(frames[at:at + size])
+        at += size
+    assert at == len(frames)
+    return windows + streamer.finish()
+
+
+def decode_chunked(codec: SnacCodec, windows: list[DecodeWindow]) -> np.ndarray:
+    return np.concatenate([codec.decode(w.frames[None])[0, w.emit_start:w.emit_end] for w in windows])
+
+
+def test_parser_reads_orpheus_slots_and_stops_at_end_of_speech() -> None:
+    codes = random_frames(2, seed=3)
+    tokens = [START_OF_SPEECH] + [AUDIO_BASE + (i % 7) * CODEBOOK_SIZE + int(c) for i, c in enumerate(codes.ravel())]
+    parser = FrameParser()
+    first = parser.feed(tokens[:5])
+    assert first.shape == (0, 7)
+    rest = parser.feed([*tokens[5:], AUDIO_BASE, END_OF_SPEECH, AUDIO_BASE])
+    assert np.array_equal(rest, codes)
+    assert parser.stopped and parser.slot_mismatches == 0 and parser.skipped == 1
+
+
+def test_parser_folds_codes_emitted_in_the_wrong_slot() -> None:
+    parser = FrameParser()
+    frames = parser.feed([AUDIO_BASE + 6 * CODEBOOK_SIZE + 5] * 7)
+    assert frames.tolist() == [[5] * 7]
+    assert parser.slot_mismatches == 6
+
+
+def test_schedule_ramps_from_the_first_chunk_and_covers_every_sample_once() -> None:
+    policy = ChunkPolicy()
+    frames = random_frames(100)
+    one_by_one = stream_windows(policy, frames, [1] * 100)
+    assert [w.chunk_frames for w in one_by_one] == [1, 1, 2, 4, 8, 16, 16, 16, 16, 16, 4]
+    emitted = [w.emit_end - w.emit_start for w in one_by_one]
+    held = policy.holdback_samples
+    # Chunks 0 and 1 start before `lookahead_from_frame`, so each is decoded without lookahead and holds back
+    # its last `held` samples; chunk 2 re-decodes them with context. The final chunk is exact.
+    assert emitted == [F - held, F, 2 * F + held, 4 * F, 8 * F, *[16 * F] * 5, 4 * F]
+    bursty = stream_windows(policy, frames, [3, 1, 30, 2, 64])
+    assert [(w.first_frame, w.emit_start, w.emit_end, len(w.frames)) for w in bursty] == \
+        [(w.first_frame, w.emit_start, w.emit_end, len(w.frames)) for w in one_by_one], "timing never matters"
+
+
+def test_first_chunk_size_follows_the_request() -> None:
+    windows = stream_windows(ChunkPolicy(), random_frames(30), [30], initial=4)
+    assert [w.chunk_frames for w in windows] == [4, 4, 8, 14]
+    assert windows[0].emit_end - windows[0].emit_start == 4 * F - 512
+
+
+def test_chunked_decoding_equals_whole_sequence_decoding(codec: SnacCodec) -> None:
+    frames = random_frames(48, seed=1)
+    whole = codec.decode(frames[None])[0]
+    exact = ChunkPolicy(left_context_frames=3, lookahead_frames=3, lookahead_from_frame=0, holdback_samples=0)
+    exact_windows = [w for w in stream_windows(exact, frames, [1] * 48) if w.chunk_frames]
+    chunked = decode_chunked(codec, exact_windows)
+    assert len(chunked) == len(whole)
+    assert np.abs(chunked - whole).max() < 1e-4, "with 3 frames of context both sides, seams are exact"
+
+    default = decode_chunked(codec, stream_windows(ChunkPolicy(), frames, [1] * 48))
+    assert len(default) == len(whole)
+    assert np.linalg.norm(default - whole) / np.linalg.norm(whole) < 2e-2
+    steady_from = 8 * F  # from the third chunk on, every chunk has its lookahead frame
+    assert np.abs(default[steady_from:] - whole[steady_from:]).max() < 2e-2
+
+
+def test_chunks_without_left_context_click_at_the_seams(codec: SnacCodec) -> None:
+    """The reason for the context: decoding chunks on their own leaves a large jump at every seam."""
+    frames = random_frames(16, seed=2)
+    whole = codec.decode(frames[None])[0]
+    naive = np.concatenate([codec.decode(frames[None, i:i + 4])[0] for i in range(0, 16, 4)])
+    seam = slice(4 * F - 64, 4 * F + 64)
+    assert np.abs(naive[seam] - whole[seam]).max() > 10 * np.abs(
+        decode_chunked(codec, stream_windows(ChunkPolicy(), frames, [1] * 16))[seam] - whole[seam]).max()
+
+
+async def test_batcher_decodes_concurrent_windows_of_equal_length_together(codec: SnacCodec) -> None:
+    batcher = CodecBatcher(codec)
+    batcher.start()
+    try:
+        windows = [DecodeWindow(0, random_frames(5, seed=s), 100, 3 * F, 5) for s in range(6)]
+        odd = DecodeWindow(0, random_frames(2, seed=9), 0, 2 * F, 2)
+        results = await asyncio.gather(*(batcher.decode(w) for w in [*windows, odd]))
+    finally:
+        await batcher.close()
+    assert batcher.stats.max_batch == 6 and batcher.stats.batches == 2 and batcher.stats.windows == 7
+    for window, audio in zip([*windows, odd], results, strict=True):
+        alone = codec.decode(window.frames[None])[0, window.emit_start:window.emit_end]
+        assert np.abs(audio - alone).max() < 1e-5
