@@ -177,6 +177,7 @@ class EffectiveConfig(msgspec.Struct, kw_only=True):
     word_timestamps: bool
     audio_frames: AudioFrames
     seed: int | None
+    max_new_tokens: int | None
     initial_codec_chunk_frames: int | None
 
 

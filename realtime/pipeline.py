@@ -27,9 +27,12 @@ def render_plan(config: EffectiveConfig, info: EngineInfo, *, stream: bool | Non
 
 
 def synthesis_request(request_id: str, text: str, config: EffectiveConfig, plan: RenderPlan) -> SynthesisRequest:
+    # Codec-frame options are accepted only for engines that honour them (resolve_config).
     options: dict[str, object] = {}
-    if config.initial_codec_chunk_frames is not None:  # accepted only for codec-frame engines (resolve_config)
+    if config.initial_codec_chunk_frames is not None:
         options["initial_codec_chunk_frames"] = config.initial_codec_chunk_frames
+    if config.max_new_tokens is not None:
+        options["max_new_tokens"] = config.max_new_tokens
     return SynthesisRequest(request_id=request_id, text=text, voice=config.voice, speed=plan.engine_speed,
                             language=config.language, seed=config.seed, instructions=config.instructions,
                             options=options)
