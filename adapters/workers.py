@@ -33,6 +33,8 @@ from voicewire.adapters.base import AudioPiece, EngineInfo, SynthesisRequest
 log = logging.getLogger("voicewire.workers")
 
 START_TIMEOUT_S = 120.0
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 30.0
 
 
 class EngineWorkerDied(RuntimeError):
@@ -179,6 +181,7 @@ class ProcessEngine:
         try:
             return await asyncio.wait_for(asyncio.shield(worker.ready), START_TIMEOUT_S)
         except BaseException:
+            self._pool[index] = None  # its exit is this failure, not a death to restart from
             await self._stop(worker)
             raise
 
@@ -228,14 +231,21 @@ class ProcessEngine:
         task.add_done_callback(self._restarts.discard)
 
     async def _restart(self, dead: _Worker) -> None:
+        """Replace a dead worker, retrying failed starts after 0.5 s, doubling to 30 s, so an engine that
+        cannot load does not respawn in a tight loop."""
         await asyncio.to_thread(dead.process.join, 5.0)  # reap it: no zombie left behind
-        try:
-            await self._spawn(dead.index)
-        except Exception:
-            log.exception("engine worker %d could not be restarted", dead.index)
+        delay = RESTART_BACKOFF_S
+        while not self._closing:
+            try:
+                await self._spawn(dead.index)
+            except Exception:
+                log.exception("engine worker %d could not be restarted; retrying in %.1f s", dead.index, delay)
+                await asyncio.sleep(delay)
+                delay = min(RESTART_BACKOFF_MAX_S, delay * 2)
+                continue
+            self._count(restarts=1)
+            log.info("engine worker %d restarted", dead.index)
             return
-        self._count(restarts=1)
-        log.info("engine worker %d restarted", dead.index)
 
     async def _stop(self, worker: _Worker) -> None:
         worker.alive = False

@@ -68,8 +68,13 @@ _PCM16_SCALE: Final = 32767.0
 _DECODE_SCALE: Final = np.float32(1.0 / 32768.0)
 _RESAMPLE_QUALITY: Final = "HQ"
 
-_OPUS_RATES: Final = (8000, 12000, 16000, 24000, 48000)
-_MP3_RATES: Final = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
+_MPEG_RATES: Final = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
+CODEC_RATES: Final[dict[str, tuple[int, ...]]] = {
+    "mp3": _MPEG_RATES,
+    "aac": _MPEG_RATES,
+    "opus": (8000, 12000, 16000, 24000, 48000),
+}
+"""Rates each lossy codec codes natively (within 8-48 kHz); the other formats take any rate."""
 
 
 # --- sample encodings --------------------------------------------------------------------------------
@@ -236,8 +241,13 @@ def wav_header(
 # --- whole files ---------------------------------------------------------------------------------------
 
 
-def _nearest_rate_at_or_above(rate: int, supported: tuple[int, ...]) -> int:
-    return next((r for r in supported if r >= rate), supported[-1])
+def codec_rate(fmt: str, requested: int) -> int:
+    """The output sample rate of `fmt` for a requested rate: the requested rate when the codec takes it,
+    else the next supported rate above it (the highest when none is above)."""
+    rates = CODEC_RATES.get(fmt)
+    if rates is None or requested in rates:
+        return requested
+    return next((r for r in rates if r >= requested), rates[-1])
 
 
 def _soundfile_bytes(x: FloatArray, sample_rate: int, container: str, subtype: str) -> bytes:
@@ -270,10 +280,10 @@ def encode_file(x: FloatArray, sample_rate: int, fmt: AudioFormat) -> bytes:
     if fmt == "flac":
         return _soundfile_bytes(x, sample_rate, "FLAC", "PCM_16")
     if fmt == "mp3":
-        rate = _nearest_rate_at_or_above(sample_rate, _MP3_RATES)
+        rate = codec_rate(fmt, sample_rate)
         return _soundfile_bytes(resample(x, sample_rate, rate), rate, "MP3", "MPEG_LAYER_III")
     if fmt == "opus":
-        rate = _nearest_rate_at_or_above(sample_rate, _OPUS_RATES)
+        rate = codec_rate(fmt, sample_rate)
         return _soundfile_bytes(resample(x, sample_rate, rate), rate, "OGG", "OPUS")
     raise ValueError(f"unknown audio format {fmt!r}; known: {sorted(CONTENT_TYPES)}")
 

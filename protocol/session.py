@@ -9,7 +9,8 @@ microseconds.
 Utterance lifecycle: the first `input.text` opens utterance U; `input.done` closes its input (U is then
 "draining" until the runtime reports `utterance_finished(U)`); `input.cancel` cancels every open or
 draining utterance (or those of one `context_id`). A new utterance may open while an earlier one drains;
-its units queue behind. Memory held here is bounded by `max_utterance_chars` per open utterance.
+its units queue behind. Text accepted but not yet fully spoken (the open utterance plus draining ones) is
+capped at `max_utterance_chars`, which bounds the memory and the unit backlog one session can hold.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from voicewire.protocol.audio import STREAMABLE_FORMATS
+from voicewire.protocol.audio import STREAMABLE_FORMATS, codec_rate
 from voicewire.protocol.messages import (
     ClientMessage,
     EffectiveConfig,
@@ -118,8 +119,6 @@ Action = Send | Synthesize | FinishUtterance | CancelUtterance | Close
 
 CLOSE_NORMAL = 1000
 CLOSE_POLICY = 1008
-CLOSE_TOO_BIG = 1009
-CLOSE_TRY_AGAIN = 1013
 
 _LEGAL: dict[State, frozenset[str]] = {
     State.AWAITING_CONFIG: frozenset({"session.config", "session.close"}),
@@ -154,7 +153,7 @@ class SessionMachine:
         self.config: EffectiveConfig | None = None
         self._segmenter: Segmenter | None = None
         self._open: _Utterance | None = None
-        self._draining: dict[int, str | None] = {}
+        self._draining: dict[int, _Utterance] = {}
         self._next_utterance = 0
 
     # -- inputs ---------------------------------------------------------------------------------
@@ -171,7 +170,7 @@ class SessionMachine:
                 case InputText():
                     return self._text(msg, now_ms)
                 case InputDone():
-                    return self._done(now_ms)
+                    return self._done(msg.context_id, now_ms)
                 case InputCancel():
                     return self._cancel(msg.context_id)
                 case SessionClose():
@@ -186,7 +185,7 @@ class SessionMachine:
         fatal = exc.fatal or self.state is State.AWAITING_CONFIG
         actions: list[Action] = [Send(error_event(exc, fatal=fatal))]
         if fatal:
-            actions.extend(self._cancel_all())
+            actions.extend(self._cancel(None))
             self.state = State.CLOSED
             actions.append(Close(CLOSE_POLICY, exc.code))
         return actions
@@ -221,7 +220,8 @@ class SessionMachine:
             return self.protocol_error(ProtocolError(
                 "reconfig_during_utterance",
                 "session.config cannot be applied while an utterance is in progress; send input.done first"))
-        return self.protocol_error(ProtocolError("invalid_state", f"{kind} is not allowed now"))
+        assert self.state is State.CLOSED, (self.state, kind)
+        return []
 
     def _configure(self, msg: SessionConfig) -> list[Action]:
         self.config = resolve_config(msg, self.facts)
@@ -248,43 +248,45 @@ class SessionMachine:
                 f"input.text for context {msg.context_id!r} while context {utt.context_id!r} is open; "
                 "send input.done or input.cancel for it first")
         limit = self.facts.limits.max_utterance_chars
-        if utt.text_chars + len(msg.text) > limit:
+        waiting = utt.text_chars + sum(u.text_chars for u in self._draining.values())
+        if waiting + len(msg.text) > limit:
             raise ProtocolError(
                 "utterance_too_large",
-                f"Utterance text would exceed {limit} characters; this input.text was dropped. "
-                "Send input.done to speak what was received.")
+                f"Text not yet spoken would exceed {limit} characters; this input.text was dropped. Send "
+                "input.done to speak what was received, or wait for session.done before sending more.")
         utt.text_chars += len(msg.text)
         return self._units(self._segmenter.push(msg.text, now_ms), now_ms)
 
-    def _done(self, now_ms: float) -> list[Action]:
+    def _done(self, context_id: str | None, now_ms: float) -> list[Action]:
         assert self._segmenter is not None
         utt = self._open
         if utt is None:
-            utt = _Utterance(self._next_utterance, None)
+            utt = _Utterance(self._next_utterance, context_id)
             self._next_utterance += 1
             actions: list[Action] = []
+        elif context_id is not None and context_id != utt.context_id:
+            raise ProtocolError(
+                "context_mismatch",
+                f"input.done for context {context_id!r} while context {utt.context_id!r} is open")
         else:
             actions = self._units(self._segmenter.flush(), now_ms)
         self._open = None
         self.state = State.READY
-        self._draining[utt.index] = utt.context_id
+        self._draining[utt.index] = utt
         actions.append(FinishUtterance(utt.index, utt.units))
         return actions
 
     def _cancel(self, context_id: str | None) -> list[Action]:
         actions: list[Action] = []
         if self._open is not None and context_id in (None, self._open.context_id):
-            self._draining[self._open.index] = self._open.context_id
+            self._draining[self._open.index] = self._open
             self._open = None
             self.state = State.READY
-        for index, ctx in list(self._draining.items()):
-            if context_id is None or ctx == context_id:
+        for index, utt in list(self._draining.items()):
+            if context_id is None or utt.context_id == context_id:
                 del self._draining[index]
-                actions.append(CancelUtterance(index, ctx))
+                actions.append(CancelUtterance(index, utt.context_id))
         return actions
-
-    def _cancel_all(self) -> list[Action]:
-        return self._cancel(None)
 
     def _units(self, segments: list[Segment], now_ms: float) -> list[Action]:
         utt = self._open
@@ -338,7 +340,8 @@ def resolve_config(msg: SessionConfig, facts: ServerFacts) -> EffectiveConfig:
         raise _unsupported("word_timestamps", engine.name)
     return EffectiveConfig(
         model=model, voice=voice, language=language, instructions=msg.instructions, speed=msg.speed,
-        response_format=msg.response_format, sample_rate=msg.sample_rate or engine.sample_rate,
+        response_format=msg.response_format,
+        sample_rate=codec_rate(msg.response_format, msg.sample_rate or engine.sample_rate),
         stream_audio=msg.stream_audio, split_granularity=msg.split_granularity,
         max_buffer_delay_ms=msg.max_buffer_delay_ms, word_timestamps=msg.word_timestamps,
         audio_frames=audio_frames, seed=msg.seed, max_new_tokens=msg.max_new_tokens,

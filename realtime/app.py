@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
+import struct
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -33,6 +35,7 @@ CONTEXT: web.AppKey[ServerContext] = web.AppKey("voicewire_context", ServerConte
 CLOSE_GOING_AWAY = 1001
 CLOSE_TRY_AGAIN_LATER = 1013
 KEY_FILE_POLL_S = 2.0
+UNSENT_GRACE_S = 5.0
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> web.Application:
@@ -168,9 +171,24 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
         finally:
             ctx.sessions.discard(runtime)
             ctx.metrics.sessions_open.dec()
+            asyncio.get_running_loop().call_later(UNSENT_GRACE_S, _drop_unsent, request)
         return ws
     finally:
         ctx.access.close_session(who)
+
+
+def _drop_unsent(request: web.Request) -> None:
+    """Abort a finished session's connection that still holds unsent bytes `UNSENT_GRACE_S` after the
+    session ended: its client stopped reading (stall close, or a close handshake that timed out). A plain
+    close waits to flush them, which for a peer that never reads keeps the socket and its buffers
+    (megabytes of audio) forever, outside every cap. A client that reads again within the grace still gets
+    everything, close frame included."""
+    transport = request.transport
+    if transport is not None and transport.get_write_buffer_size() > 0:
+        sock = transport.get_extra_info("socket")
+        with contextlib.suppress(OSError, AttributeError):  # linger 0: reset, so the kernel drops them too
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
 
 
 async def _key_rotation(app: web.Application) -> AsyncIterator[None]:

@@ -40,6 +40,7 @@ log = logging.getLogger("voicewire.auth")
 OPEN_PATHS: Final = frozenset({"/health", "/ready", "/"})
 OPEN_PREFIXES: Final = ("/clients/",)
 WS_PATH: Final = "/v1/audio/speech/stream"
+MAX_BUCKETS: Final = 100_000
 
 
 def key_id(key: str) -> str:
@@ -117,17 +118,28 @@ class RateLimiter:
     def take(self, name: str, now: float) -> float:
         """Take one token; 0.0 when allowed, else the seconds until one is available."""
         bucket = self._buckets.get(name)
-        if bucket is None:
-            if len(self._buckets) > 100_000:
-                self._buckets.clear()
-            bucket = self._buckets[name] = _Bucket(self.burst, now)
         rate = self.rate_per_minute / 60.0
+        if bucket is None:
+            if len(self._buckets) >= MAX_BUCKETS:
+                self._evict_full(now, rate)
+            bucket = self._buckets[name] = _Bucket(self.burst, now)
         bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.updated) * rate)
         bucket.updated = now
         if bucket.tokens >= 1.0:
             bucket.tokens -= 1.0
             return 0.0
         return (1.0 - bucket.tokens) / rate
+
+    def _evict_full(self, now: float, rate: float) -> None:
+        """Forget buckets that have refilled completely (they hold no state a new bucket would not);
+        limits of active clients are never reset. If none has, forget the longest-idle half."""
+        full_after = self.burst / rate
+        for name in [n for n, b in self._buckets.items() if now - b.updated >= full_after]:
+            del self._buckets[name]
+        if len(self._buckets) >= MAX_BUCKETS:
+            idle = sorted(self._buckets, key=lambda n: self._buckets[n].updated)
+            for name in idle[: len(idle) // 2]:
+                del self._buckets[name]
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +228,9 @@ class AccessControl:
         if self.settings.trust_forwarded_for:
             forwarded = request.headers.get("X-Forwarded-For")
             if forwarded:
-                return forwarded.split(",")[0].strip()
+                # The last entry is the one our proxy appended (the peer it saw); earlier ones are
+                # whatever the client chose to send.
+                return forwarded.split(",")[-1].strip()
         return request.remote or "unknown"
 
 

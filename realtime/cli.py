@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         logging.getLogger("voicewire").info("uvloop not installed; using the default event loop")
     web.run_app(app, host=settings.host, port=settings.port,
-                shutdown_timeout=settings.shutdown_grace_s + 5.0, print=None)
+                shutdown_timeout=settings.shutdown_grace_s + 5.0, print=None,
+                handler_cancellation=True)
     return 0
 
 

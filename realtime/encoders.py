@@ -28,7 +28,7 @@ import av
 import numpy as np
 from av.audio.stream import AudioStream
 from av.container import OutputContainer
-from voicewire.protocol.audio import CONTENT_TYPES, encode_file, wav_header
+from voicewire.protocol.audio import CONTENT_TYPES, codec_rate, encode_file, wav_header
 
 RestFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 REST_FORMATS: Final[tuple[str, ...]] = get_args(RestFormat)
@@ -41,13 +41,6 @@ REST_CONTENT_TYPES: Final[dict[str, str]] = {
 STREAMING_FORMATS: Final[frozenset[str]] = frozenset({"pcm", "wav", "mp3", "opus", "aac"})
 """Formats whose bytes can leave before the last sample is known."""
 
-_CODEC_RATES: Final[dict[str, tuple[int, ...]]] = {
-    "mp3": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000),
-    "opus": (8000, 12000, 16000, 24000, 48000),
-    "aac": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000),
-}
-"""Rates each lossy codec codes natively (within the API's 8-48 kHz); pcm, wav and flac take any rate."""
-
 _PYAV: Final[dict[str, tuple[str, str, int]]] = {
     "mp3": ("mp3", "libmp3lame", 64_000),
     "opus": ("ogg", "libopus", 32_000),
@@ -56,15 +49,6 @@ _PYAV: Final[dict[str, tuple[str, str, int]]] = {
 """Container, codec and bit rate per PyAV format: speech-grade mono rates (OpenAI's mp3 is 64-160 kb/s)."""
 
 _OGG_PAGE_US: Final = "20000"
-
-
-def codec_rate(fmt: RestFormat, requested: int) -> int:
-    """The output sample rate for `fmt` given the requested one: the requested rate when the codec takes
-    it, else the next supported rate above it (the highest below it when none is above)."""
-    rates = _CODEC_RATES.get(fmt)
-    if rates is None or requested in rates:
-        return requested
-    return next((r for r in rates if r >= requested), rates[-1])
 
 
 class StreamEncoder(Protocol):

@@ -51,11 +51,14 @@ async def synthesize_unit(ctx: ServerContext, request: SynthesisRequest, rendere
     limit = ctx.settings.unit_timeout_s
     async with ctx.scheduler.slot(deadline):
         started = time.monotonic()
+        deadline_cm = asyncio.timeout(limit)
         try:
-            async with asyncio.timeout(limit), contextlib.aclosing(ctx.engine.synthesize(request)) as pieces:
+            async with deadline_cm, contextlib.aclosing(ctx.engine.synthesize(request)) as pieces:
                 async for piece in pieces:
                     sink(renderer.feed(piece))
         except TimeoutError as exc:
+            if not deadline_cm.expired():
+                raise  # the engine's own timeout, not our deadline
             raise UnitTimeout(f"timed out after {limit:g} s of synthesis and was cancelled") from exc
         finally:
             engine_s = time.monotonic() - started

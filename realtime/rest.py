@@ -10,7 +10,8 @@
 Every error is OpenAI's `{"error": {...}}` (`realtime.openai_errors`). Bounds: at most
 `max_rest_requests` speech/batch requests synthesize at once (503 past it); a speech body is capped by the
 app's `client_max_size`, an upload by `max_voice_upload_bytes` (413), a batch by `batch_max_items`.
-A client that disconnects mid-stream makes the next write fail, which cancels the request's unit tasks.
+A client that disconnects cancels its request (the server runs with aiohttp handler cancellation), which
+cancels the request's unit tasks and so the engine's work, for streamed and whole-body responses alike.
 """
 
 from __future__ import annotations

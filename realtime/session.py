@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import WSMsgType, web
@@ -38,7 +39,6 @@ from voicewire.protocol.messages import (
     SessionConfig,
     SessionDone,
     Timings,
-    WordTiming,
     decode_client_message,
     encode_event,
 )
@@ -69,9 +69,10 @@ class UnitJob:
     """One unit from commit to `audio.done`: its synthesis task and its outbox of rendered audio."""
 
     unit: Unit
-    renderer: UnitRenderer
-    deadline_offset_s: float
-    """Estimated audio duration of the units before this one in the utterance."""
+    estimate_s: float
+    """Expected audio duration, for the playback deadlines of the units behind it."""
+    renderer: UnitRenderer | None = None
+    """Made when the unit starts synthesizing (a resampler is not free; queued units hold none)."""
     task: asyncio.Task[None] | None = None
     outbox: deque[RenderedPiece] = field(default_factory=deque)
     finished: bool = False
@@ -82,8 +83,14 @@ class UnitJob:
     bytes_sent: int = 0
     samples_sent: int = 0
     chunk_id: int = 0
-    words: list[WordTiming] = field(default_factory=list)
+    unit_words: list[tuple[int, int, float, float]] = field(default_factory=list)
+    """Words sent so far, on the unit's own timeline (for vllm-omni's trailing timestamps chunk)."""
     offset_ms: float = 0.0
+    """Where the unit starts on the utterance timeline."""
+
+    @property
+    def sent_ms(self) -> float:
+        return self.samples_sent * 1000.0 / self.unit.config.sample_rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +105,6 @@ class UtteranceStats:
     first_audio_ms: float | None = None
     audio_ms: float = 0.0
     engine_s: float = 0.0
-    estimated_s: float = 0.0
-    playback_start: float | None = None
 
 
 class SessionRuntime:
@@ -121,12 +126,17 @@ class SessionRuntime:
         self._last_activity = time.monotonic()
         self._unit_tasks: set[asyncio.Task[None]] = set()
         self._reader_task: asyncio.Task[None] | None = None
+        self._writer_task: asyncio.Task[None] | None = None
+        self._control_room = asyncio.Event()
+        self._control_room.set()
+        self._dry_at: float | None = None
+        """Monotonic time at which the listener will have played all audio sent so far."""
         self.engine_requests_started = 0
 
     # -- reader ---------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        writer = asyncio.create_task(self._write_loop(), name=f"{self.session_id}-writer")
+        writer = self._writer_task = asyncio.create_task(self._write_loop(), name=f"{self.session_id}-writer")
         writer.add_done_callback(self._on_writer_done)
         reader = self._reader_task = asyncio.create_task(self._read_loop(), name=f"{self.session_id}-reader")
         try:
@@ -155,30 +165,42 @@ class SessionRuntime:
         while self._close is None:
             timeout = self._receive_timeout()
             try:
-                msg = await self.ws.receive(timeout=timeout)
+                # Our own timeout, not receive(timeout=): aiohttp restarts that one after every pong it
+                # swallows (heartbeat every 20 s), so the 30 s idle timeout never fired, and it treats 0
+                # as "no timeout", so a deadline already due waited for the next message.
+                async with asyncio.timeout(timeout):
+                    msg = await self.ws.receive()
             except TimeoutError:
-                self._on_timer()
-                continue
-            if msg.type is WSMsgType.TEXT:
-                self._last_activity = time.monotonic()
                 try:
-                    self._on_text(msg.data)
+                    self._on_timer()
                 except Exception:
-                    log.exception("session %s: internal error handling a message", self.session_id)
+                    log.exception("session %s: internal error on a timer", self.session_id)
                     self._internal_error()
-            elif msg.type is WSMsgType.BINARY:
-                self._last_activity = time.monotonic()
-                self._apply(self.machine.protocol_error(ProtocolError(
-                    "binary_not_supported", "Binary frames are not accepted; send JSON text frames")))
-            else:
+                continue
+            if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
                 return
+            self._last_activity = time.monotonic()
+            try:
+                if msg.type is WSMsgType.TEXT:
+                    self._on_text(msg.data)
+                else:
+                    self._apply(self.machine.protocol_error(ProtocolError(
+                        "binary_not_supported", "Binary frames are not accepted; send JSON text frames")))
+            except Exception:
+                log.exception("session %s: internal error handling a message", self.session_id)
+                self._internal_error()
+            # Backpressure on events: a client that makes us queue many events (errors, say) without
+            # reading them is not read from until the writer catches up (or the send stalls and closes).
+            while len(self._control) >= self.settings.max_pending_events and self._close is None:
+                self._control_room.clear()
+                await self._control_room.wait()
 
     def _on_text(self, data: str) -> None:
         try:
             message = decode_client_message(data)
             limit = (self.settings.max_config_bytes if isinstance(message, SessionConfig)
                      else self.settings.max_message_bytes)
-            if len(data) > limit:
+            if len(data) > limit // 4 and len(data.encode()) > limit:
                 kind = "session.config" if isinstance(message, SessionConfig) else "input.text"
                 raise ProtocolError("message_too_large", f"{kind} message too large")
         except ProtocolError as exc:
@@ -189,8 +211,8 @@ class SessionRuntime:
     def _internal_error(self) -> None:
         """A bug of ours: say so, end the session with 1011; the server and other sessions carry on."""
         self._cancel_everything()
-        self._control.append(ErrorEvent(message="Internal server error; the session is closed", code="internal_error",
-                                        fatal=True))
+        self._emit(ErrorEvent(message="Internal server error; the session is closed", code="internal_error",
+                              fatal=True))
         self._close = Close(CLOSE_INTERNAL_ERROR, "internal error")
         self._wake.set()
 
@@ -237,8 +259,12 @@ class SessionRuntime:
         return self._busy()
 
     async def shutdown(self, code: int, reason: str) -> None:
-        """Server shutdown: cancel what is left and close the socket (which ends `run`)."""
+        """Server shutdown: cancel what is left (closing started units with their `audio.done`), give the
+        writer a moment to send that, then close the socket (which ends `run`)."""
         self._apply([Close(code, reason)])
+        if self._writer_task is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self._writer_task), 2.0)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ws.close(code=code, message=reason.encode()), 2.0)
 
@@ -261,26 +287,20 @@ class SessionRuntime:
                     self._cancel_utterance(index, context_id)
                 case Close():
                     self._close = action
-                    self._cancel_everything()
+                    self._drop_units(lambda _index: True)
+                    self._control_room.set()
                     self._wake.set()
 
     def _emit(self, event: ServerEvent) -> None:
-        if len(self._control) >= self.settings.max_pending_events:
-            self._close = Close(CLOSE_POLICY, "client stalled: too many unread events")
-            self._cancel_everything()
-        else:
-            self._control.append(event)
+        self._control.append(event)
         self._wake.set()
 
     def _submit(self, unit: Unit) -> None:
         stats = self._utterances.setdefault(unit.utterance_index, UtteranceStats())
         if stats.committed_first_ms is None:
             stats.committed_first_ms = unit.committed_ms
-        config = unit.config
-        renderer = UnitRenderer(render_plan(config, self.ctx.engine.info))
-        job = UnitJob(unit, renderer, deadline_offset_s=stats.estimated_s)
-        stats.estimated_s += len(unit.text) * SECONDS_PER_CHAR_ESTIMATE / config.speed
-        self._outq.append(job)
+        estimate_s = len(unit.text) * SECONDS_PER_CHAR_ESTIMATE / unit.config.speed
+        self._outq.append(UnitJob(unit, estimate_s))
         self._pump()
 
     def _pump(self) -> None:
@@ -292,17 +312,25 @@ class SessionRuntime:
             if item.task is None:
                 if in_flight >= self.settings.max_units_in_flight:
                     return
-                item.task = asyncio.create_task(self._synthesize(item))
+                item.renderer = UnitRenderer(render_plan(item.unit.config, self.ctx.engine.info))
+                item.task = asyncio.create_task(self._synthesize(item, item.renderer))
                 self._unit_tasks.add(item.task)
                 item.task.add_done_callback(self._unit_tasks.discard)
             in_flight += 1
 
     def _cancel_utterance(self, index: int, context_id: str | None) -> None:
         stats = self._utterances.pop(index, UtteranceStats())
+        self._drop_units(lambda owner: owner == index)
+        self._emit(AudioCancelled(utterance_index=index, audio_ms=_ms(stats.audio_ms), context_id=context_id))
+        self._pump()
+
+    def _drop_units(self, drop: Callable[[int], bool]) -> None:
+        """Stop the units (and utterance ends) of the utterances `drop` selects; a unit whose
+        `audio.start` went out gets its `audio.done` (error: true), so the two always pair."""
         kept: deque[UnitJob | FinishMarker] = deque()
         for item in self._outq:
             owner = item.unit.utterance_index if isinstance(item, UnitJob) else item.utterance_index
-            if owner != index:
+            if not drop(owner):
                 kept.append(item)
                 continue
             if isinstance(item, UnitJob):
@@ -310,15 +338,10 @@ class SessionRuntime:
                 if item.task is not None:
                     item.task.cancel()
                 if item.started_sent:
-                    sent_ms = item.samples_sent * 1000.0 / item.unit.config.sample_rate
-                    self._control.append(AudioDone(
-                        utterance_index=index, sentence_index=item.unit.sentence_index,
-                        total_bytes=item.bytes_sent, error=True, audio_ms=_ms(sent_ms)))
+                    self._emit(AudioDone(
+                        utterance_index=owner, sentence_index=item.unit.sentence_index,
+                        total_bytes=item.bytes_sent, error=True, audio_ms=_ms(item.sent_ms)))
         self._outq = kept
-        self._control.append(AudioCancelled(utterance_index=index, audio_ms=_ms(stats.audio_ms),
-                                            context_id=context_id))
-        self._wake.set()
-        self._pump()
 
     def _cancel_everything(self) -> None:
         for item in self._outq:
@@ -332,10 +355,10 @@ class SessionRuntime:
 
     # -- synthesis ------------------------------------------------------------------------------
 
-    async def _synthesize(self, job: UnitJob) -> None:
+    async def _synthesize(self, job: UnitJob, renderer: UnitRenderer) -> None:
         unit = job.unit
         request = synthesis_request(f"{self.session_id}-{unit.utterance_index}-{unit.sentence_index}",
-                                    unit.text, unit.config, job.renderer.plan)
+                                    unit.text, unit.config, renderer.plan)
 
         def sink(piece: RenderedPiece) -> None:
             job.outbox.append(piece)
@@ -343,7 +366,7 @@ class SessionRuntime:
 
         try:
             self.engine_requests_started += 1
-            job.engine_s = await synthesize_unit(self.ctx, request, job.renderer, self._deadline(job), sink)
+            job.engine_s = await synthesize_unit(self.ctx, request, renderer, self._deadline(job), sink)
         except asyncio.CancelledError:
             raise
         except UnitTimeout as exc:
@@ -357,11 +380,19 @@ class SessionRuntime:
             self._wake.set()
 
     def _deadline(self, job: UnitJob) -> float:
-        """When the listener runs dry without this unit (monotonic seconds)."""
-        stats = self._utterances.get(job.unit.utterance_index)
-        if stats is None or stats.playback_start is None:
-            return job.unit.committed_ms / 1000.0
-        return stats.playback_start + job.deadline_offset_s
+        """When the listener runs dry without this unit (monotonic seconds): once the audio already sent
+        and the expected audio of the units ahead of it have played. Never earlier than the unit's commit
+        time, so a session's backlog cannot jump ahead of another session's first unit."""
+        committed = job.unit.committed_ms / 1000.0
+        if self._dry_at is None:
+            return committed
+        ahead = 0.0
+        for item in self._outq:
+            if item is job:
+                break
+            if isinstance(item, UnitJob):
+                ahead += max(0.0, item.estimate_s - item.sent_ms / 1000.0)
+        return max(committed, self._dry_at + ahead)
 
     # -- writer ---------------------------------------------------------------------------------
 
@@ -369,6 +400,8 @@ class SessionRuntime:
         while True:
             if self._control:
                 await self._send_event(self._control.popleft())
+                if len(self._control) < self.settings.max_pending_events:
+                    self._control_room.set()
                 continue
             if self._close is not None:
                 return
@@ -397,11 +430,13 @@ class SessionRuntime:
             return True
         if job.outbox:
             piece = job.outbox.popleft()
-            words = place_words(piece.words, unit.text, unit.char_start, job.offset_ms)
-            job.words.extend(words)
-            if words and config.word_timestamps and config.audio_frames == "binary":
+            job.unit_words.extend(piece.words)
+            if piece.words and config.word_timestamps and config.audio_frames == "binary":
+                words = place_words(piece.words, unit.text, unit.char_start, job.offset_ms)
                 await self._send_event(AudioWords(utterance_index=unit.utterance_index,
                                                   sentence_index=unit.sentence_index, words=words))
+                if not self._outq or self._outq[0] is not job:
+                    return True  # cancelled while that was sent: nothing more of it goes out
             if piece.data:
                 await self._send_audio(job, stats, piece)
             return True
@@ -425,21 +460,22 @@ class SessionRuntime:
             if config.word_timestamps and config.audio_frames == "json":
                 await self._send_event(AudioChunk(
                     utterance_index=unit.utterance_index, sentence_index=unit.sentence_index,
-                    chunk_id=job.chunk_id, chunk_start_ms=0, chunk_end_ms=round(job.renderer.audio_ms),
+                    chunk_id=job.chunk_id, chunk_start_ms=0, chunk_end_ms=round(job.sent_ms),
                     sample_rate=config.sample_rate, channels=1, audio_b64="",
-                    timestamps=[_unit_relative(w, job.offset_ms) for w in job.words]))
+                    timestamps=place_words(job.unit_words, unit.text, unit.char_start, 0.0)))
         stats.engine_s += job.engine_s
         await self._send_event(AudioDone(
             utterance_index=unit.utterance_index, sentence_index=unit.sentence_index,
-            total_bytes=job.bytes_sent, error=job.failure is not None, audio_ms=_ms(job.renderer.audio_ms)))
+            total_bytes=job.bytes_sent, error=job.failure is not None, audio_ms=_ms(job.sent_ms)))
         return True
 
     async def _send_audio(self, job: UnitJob, stats: UtteranceStats, piece: RenderedPiece) -> None:
         unit, config = job.unit, job.unit.config
+        now = time.monotonic()
         if stats.first_audio_ms is None and stats.committed_first_ms is not None:
-            stats.first_audio_ms = _now_ms() - stats.committed_first_ms
-            stats.playback_start = time.monotonic()
+            stats.first_audio_ms = now * 1000.0 - stats.committed_first_ms
             self.ctx.metrics.ttfa.labels("ws").observe(stats.first_audio_ms / 1000.0)
+        self._dry_at = max(self._dry_at or now, now) + piece.samples / config.sample_rate
         start_ms = _ms(job.samples_sent * 1000.0 / config.sample_rate)
         job.samples_sent += piece.samples
         job.bytes_sent += len(piece.data)
@@ -492,12 +528,6 @@ class SessionRuntime:
             self._cancel_everything()
             self._control.clear()
         self._last_activity = time.monotonic()
-
-
-def _unit_relative(word: WordTiming, offset_ms: float) -> WordTiming:
-    return WordTiming(word=word.word, start_ms=round(word.start_ms - offset_ms),
-                      end_ms=round(word.end_ms - offset_ms), char_start=word.char_start,
-                      char_end=word.char_end)
 
 
 def _ms(value: float) -> float:

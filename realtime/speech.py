@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
+from voicewire.protocol.audio import codec_rate
 from voicewire.protocol.messages import (
     SAMPLE_RATE_MAX,
     SAMPLE_RATE_MIN,
@@ -39,7 +40,7 @@ from voicewire.protocol.render import RenderedPiece, UnitRenderer, place_words
 from voicewire.protocol.segmenter import Segmenter
 from voicewire.protocol.session import ServerFacts, resolve_config
 from voicewire.realtime.context import ServerContext
-from voicewire.realtime.encoders import STREAMING_FORMATS, RestFormat, codec_rate, make_encoder
+from voicewire.realtime.encoders import STREAMING_FORMATS, RestFormat, make_encoder
 from voicewire.realtime.openai_errors import OpenAIError, bad_request, from_protocol_error
 from voicewire.realtime.pipeline import render_plan, synthesis_request, synthesize_unit
 from voicewire.realtime.session import SECONDS_PER_CHAR_ESTIMATE

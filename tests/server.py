@@ -38,7 +38,7 @@ class ServerThread:
         self.settings = settings
         self.app = create_app(self.settings, engine)
         self.loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(self.app, shutdown_timeout=5.0)
+        self._runner = web.AppRunner(self.app, shutdown_timeout=5.0, handler_cancellation=True)
         self._started = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)

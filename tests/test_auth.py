@@ -139,3 +139,22 @@ def test_keyring_matches_only_configured_keys() -> None:
     ring = KeyRing(("a-key",), None)
     assert ring.match("a-key") is not None and ring.match("a-kez") is None and ring.match("") is None
     assert ring.match("a-key") == ring.match("a-key") != "a-key"
+
+
+async def test_per_ip_limits_use_the_address_the_proxy_appended() -> None:
+    srv = ServerThread(Settings(api_keys=(KEY,), trust_forwarded_for=True, max_sessions_per_ip=1))
+    try:
+        def headers(forwarded: str) -> dict[str, str]:
+            return {"Authorization": f"Bearer {KEY}", "X-Forwarded-For": forwarded}
+
+        async with websockets.connect(srv.ws_url, additional_headers=headers("1.1.1.1, 203.0.113.7")) as ws:
+            await configure(ws)
+            # A client-chosen first entry does not make it a new address: the proxy saw 203.0.113.7.
+            with pytest.raises(websockets.InvalidStatus) as refused:
+                async with websockets.connect(srv.ws_url, additional_headers=headers("2.2.2.2, 203.0.113.7")):
+                    pass
+            assert refused.value.response.status_code == 429
+            async with websockets.connect(srv.ws_url, additional_headers=headers("203.0.113.8")) as other:
+                await configure(other)
+    finally:
+        srv.stop()

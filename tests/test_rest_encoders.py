@@ -5,7 +5,8 @@ from __future__ import annotations
 import struct
 
 import pytest
-from voicewire.realtime.encoders import REST_FORMATS, STREAMING_FORMATS, codec_rate, make_encoder
+from voicewire.protocol.audio import codec_rate
+from voicewire.realtime.encoders import REST_FORMATS, STREAMING_FORMATS, make_encoder
 
 from tests.rest_audio import decode, pcm16, tone
 

@@ -151,3 +151,21 @@ def test_buffer_delay_commits_waiting_text_on_tick() -> None:
     assert m.next_deadline_ms() == 1500.0
     assert units(m.tick(1499.0)) == []
     assert units(m.tick(1500.0)) == [(0, 0, "waiting for more text", 0, 21)]
+
+
+def test_input_done_for_another_context_is_refused() -> None:
+    m = machine()
+    m.receive(InputText(text="Hello", context_id="a"), 0.0)
+    [refusal] = m.receive(InputDone(context_id="b"), 0.0)
+    assert isinstance(refusal, Send) and refusal.event.code == "context_mismatch"
+    assert m.state is State.UTTERANCE_OPEN
+
+
+def test_text_waiting_in_draining_utterances_counts_against_the_cap() -> None:
+    m = machine()
+    m.receive(InputText(text="a" * 60), 0.0)
+    m.receive(InputDone(), 0.0)
+    [refusal] = m.receive(InputText(text="b" * 50), 0.0)
+    assert isinstance(refusal, Send) and refusal.event.code == "utterance_too_large"
+    m.utterance_finished(0)
+    assert units(m.receive(InputText(text="b" * 50), 0.0) + m.receive(InputDone(), 0.0))

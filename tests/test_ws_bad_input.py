@@ -158,6 +158,17 @@ async def test_config_timeout_and_idle_timeout_close_the_session() -> None:
         srv.stop()
 
 
+async def test_a_burst_of_refused_deltas_is_answered_in_full_without_closing(server: ServerThread) -> None:
+    """Hundreds of errors queued faster than they are sent pause the reader instead of closing."""
+    async with websockets.connect(server.ws_url) as ws:
+        await configure(ws, **SPEAK)
+        for n in range(400):
+            await ws.send(json.dumps({"type": "input.shout", "n": n}))
+        got = await recv_until(ws, "error", count=400)
+        assert len(got.of("error")) == 400
+        await still_speaks(ws)
+
+
 async def test_session_close_closes_with_1000(server: ServerThread) -> None:
     async with websockets.connect(server.ws_url) as ws:
         await configure(ws, **SPEAK)
