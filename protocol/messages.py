@@ -147,6 +147,7 @@ class Limits(msgspec.Struct, kw_only=True):
     max_sessions: int
     max_sessions_per_key: int
     max_sessions_per_ip: int
+    rest_requests_per_minute: float
     unit_timeout_s: float
 
 
