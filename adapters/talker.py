@@ -34,8 +34,9 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -78,6 +79,14 @@ class TalkerConfig:
     repetition_penalty: float = 1.3
     chunks: ChunkPolicy = field(default_factory=ChunkPolicy)
     codec_max_batch: int = 64
+    codec_max_batch_frames: int = 320
+    """Frames per codec batch at most (bounds an urgent window's wait behind a batch on the GPU)."""
+    codec_dtype: str = "auto"
+    """The codec decoder's precision: `"auto"` (float16 on CUDA, float32 elsewhere), `"float32"`, `"float16"`,
+    `"bfloat16"`. Its output layers always run in float32."""
+    codec_cuda_graphs: bool = True
+    """On CUDA: capture the codec's decode as CUDA graphs at start (every window length of the schedule, batch
+    buckets up to `codec_max_batch`; a few seconds)."""
     random_weights: bool = False
     frames_per_char: float = 0.75
     """Random-weight mode only: forced unit length (about 64 ms of audio per character)."""
@@ -180,11 +189,13 @@ class TalkerEngine:
             ),
             max_concurrency=config.max_concurrency,
         )
-        self._codec = SnacCodec(config.codec_model, config.codec_device)
-        self._batcher = CodecBatcher(self._codec, config.codec_max_batch)
+        self._codec = SnacCodec(config.codec_model, config.codec_device, config.codec_dtype, config.codec_cuda_graphs)
+        self._batcher = CodecBatcher(self._codec, config.codec_max_batch, config.codec_max_batch_frames)
         self._tokenizer: _Tokenizer | None = None
         self._llm: Any = None
-        self._stats = TalkerStats()
+        self._counts: dict[str, int] = {}
+        self._steps = _Steps()
+        self._trace: dict[str, dict[str, float]] | None = None
 
     @property
     def info(self) -> EngineInfo:
@@ -192,7 +203,19 @@ class TalkerEngine:
 
     @property
     def stats(self) -> TalkerStats:
-        return replace(self._stats, codec=self._batcher.stats)
+        st = self._steps
+        return TalkerStats(**self._counts, engine_steps=st.engine_steps, batched_steps=st.batched_steps,
+                           peak_running=st.peak_running, running=st.running, kv_cache_usage=st.kv_cache_usage,
+                           generated_tokens=st.generated_tokens, codec=self._batcher.stats)
+
+    def trace(self, enabled: bool) -> dict[str, dict[str, float]]:
+        """Benchmarks: start (`True`) or stop recording each unit's first-chunk stage times, returning what was
+        recorded since the last call. Per request id, `time.perf_counter()` seconds: `call` (synthesize
+        began), `first_output` (vLLM's first streamed output), `first_frame` (7 codes complete), `queued`
+        (first window handed to the codec batcher), `decode_start` / `decode_end` (its batch on the codec
+        thread), `yielded` (first audio piece handed to the server); and the request's `seed`."""
+        recorded, self._trace = self._trace or {}, ({} if enabled else None)
+        return recorded
 
     async def start(self) -> None:
         """Load the tokenizer, the codec and the talker (vLLM spawns its engine-core process), then run one
@@ -204,14 +227,21 @@ class TalkerEngine:
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # one host: vLLM's address discovery is not needed
         self._tokenizer = cast(_Tokenizer, Tokenizer.from_file(str(Path(self.config.talker_model) / "tokenizer.json")))
         await asyncio.to_thread(self._codec.load)
-        self._llm = await asyncio.to_thread(self._create_llm)
         self._batcher.start()
+        # The codec's CUDA graphs are captured on the codec thread while vLLM starts (~1.2 s per shape).
+        capture = asyncio.ensure_future(self._batcher.on_codec_thread(
+            self._codec.prepare, self._window_lengths(), self.config.codec_max_batch))
         try:
+            self._llm = await asyncio.to_thread(self._create_llm)
+            await capture
             await self._warm_up()
         except BaseException:
+            await asyncio.gather(capture, return_exceptions=True)
             await self.close()
             raise
-        self._stats = TalkerStats()
+        self._counts = {}
+        self._steps = _Steps()
+        self._batcher.stats = CodecStats()
 
     async def close(self) -> None:
         """Abort nothing (callers close their iterators first); stop the codec worker and vLLM."""
@@ -273,28 +303,60 @@ class TalkerEngine:
         initial = _option_int(request, "initial_codec_chunk_frames") or self.config.chunks.initial_frames
         prompt = {"prompt_token_ids": self.prompt_token_ids(voice.name, request.text), "cache_salt": voice.cache_salt}
         params = self._sampling_params(request)
-        streamer = ChunkStreamer(self.config.chunks, initial)
+        streamer = ChunkStreamer(self.config.chunks, initial, self._codec.graph_lengths)
         parser = FrameParser(any_token_is_code=self.config.random_weights)
-        self._count(started=1, prompt_tokens=len(prompt["prompt_token_ids"]))
+        count = self._count
+        count("started", 1)
+        count("prompt_tokens", len(prompt["prompt_token_ids"]))
+        trace: dict[str, float] | None = None
+        if self._trace is not None:
+            trace = self._trace[request.request_id] = {"call": time.perf_counter(), "seed": float(request.seed or 0)}
+        # The listener's clock: playback starts with the first chunk (`played_from`), and each later chunk is
+        # due when the audio sent before it (`sent` samples) has played; the codec batcher serves the most
+        # urgent window first.
+        played_from: float | None = None
+        sent = 0
         outcome = "cancelled"
         finished = False
         stream = llm.generate(prompt, params, request.request_id)
         try:
             async for output in cast(AsyncIterator[_RequestOutput], stream):
                 if output.num_cached_tokens:
-                    self._count(cached_prompt_tokens=output.num_cached_tokens)
-                tokens = list(output.outputs[0].token_ids)
+                    count("cached_prompt_tokens", output.num_cached_tokens)
+                tokens = output.outputs[0].token_ids
                 frames = parser.feed(tokens)
-                self._count(tokens=len(tokens), frames=len(frames))
+                count("tokens", len(tokens))
                 finished = output.finished
+                if not len(frames):
+                    if trace is not None:
+                        trace.setdefault("first_output", time.perf_counter())
+                    continue
+                count("frames", len(frames))
                 for window in streamer.push(frames):
-                    audio = await self._batcher.decode(window)
-                    self._count(chunks=1)
+                    times: list[float] | None = None
+                    if played_from is None:
+                        deadline = time.perf_counter()
+                        if trace is not None:
+                            trace.setdefault("first_output", deadline)
+                            trace["first_frame"] = trace["queued"] = deadline
+                            times = []
+                    else:
+                        deadline = played_from + sent / SAMPLE_RATE
+                    audio = await self._batcher.decode(window, deadline, times)
+                    if played_from is None:
+                        played_from = time.perf_counter()
+                        if trace is not None and times:
+                            trace.update(decode_start=times[0], decode_end=times[1], yielded=played_from)
+                    sent += len(audio)
+                    count("chunks", 1)
                     yield AudioPiece(audio, SAMPLE_RATE)
             finished = True
             for window in streamer.finish():
-                audio = await self._batcher.decode(window)
-                self._count(chunks=1)
+                deadline = time.perf_counter() if played_from is None else played_from + sent / SAMPLE_RATE
+                audio = await self._batcher.decode(window, deadline)
+                played_from = played_from or time.perf_counter()
+                sent += len(audio)
+                count("chunks", 1)
                 yield AudioPiece(audio, SAMPLE_RATE)
             outcome = "completed"
         except (asyncio.CancelledError, GeneratorExit):
@@ -306,7 +368,8 @@ class TalkerEngine:
             if not finished:
                 await llm.abort(request.request_id)
             await stream.aclose()
-            self._count(slot_mismatches=parser.slot_mismatches, **{outcome: 1})
+            count("slot_mismatches", parser.slot_mismatches)
+            count(outcome, 1)
 
     def _sampling_params(self, request: SynthesisRequest) -> Any:
         from vllm import SamplingParams
@@ -339,20 +402,30 @@ class TalkerEngine:
         )
         return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._record_step)])
 
-    async def _warm_up(self) -> None:
+    def _window_lengths(self) -> list[int]:
+        """The window lengths of the ramp for first chunks of 1 or 2 frames and the configured size (1, 2, 5,
+        8, 12, 20 frames by default): the codec's CUDA graph shapes. Other windows (a unit's last chunk)
+        take more left context to reach one of these where the unit has the frames."""
         policy = self.config.chunks
-        size, emitted, lengths = policy.initial_frames, 0, set()
-        while True:
-            lookahead = policy.lookahead_frames if emitted >= policy.lookahead_from_frame else 0
-            lengths.add(min(policy.left_context_frames, emitted) + size + lookahead)
-            if size >= policy.steady_frames:
-                break
-            emitted += size
-            size = min(max(emitted, 1), policy.steady_frames)
-        loop = asyncio.get_running_loop()
-        for length in sorted(lengths):
-            codes = _warm_codes(length)
-            await loop.run_in_executor(None, self._codec.decode, codes)
+        lengths: set[int] = set()
+        for initial in {1, 2, policy.initial_frames}:
+            size, emitted = initial, 0
+            while True:
+                lookahead = policy.lookahead_frames if emitted >= policy.lookahead_from_frame else 0
+                lengths.add(min(policy.left_context_frames, emitted) + size + lookahead)
+                if size >= policy.steady_frames:
+                    break
+                emitted += size
+                size = min(max(emitted, 1), policy.steady_frames)
+        return sorted(lengths)
+
+    async def _warm_up(self) -> None:
+        # Without CUDA graphs (CPU, or graphs off): decode each window length once.
+        if not self._codec.graph_shapes:
+            for length in self._window_lengths():
+                await self._batcher.on_codec_thread(self._codec.decode, _warm_codes(length))
+        log.info("talker: codec on %s in %s, %d CUDA graphs", self._codec.device, self._codec.dtype,
+                 self._codec.graph_shapes)
         request = SynthesisRequest(request_id="talker-warmup", text=WARMUP_TEXT, voice=self._info.default_voice,
                                    seed=0, options={"max_new_tokens": 4 * CODES_PER_FRAME})
         async for _ in self._synthesize(request):
@@ -361,16 +434,29 @@ class TalkerEngine:
     # -- counters ------------------------------------------------------------------------------------
 
     def _record_step(self, running: int, kv_cache_usage: float, generated: int) -> None:
-        s = self._stats
-        self._stats = replace(
-            s, engine_steps=s.engine_steps + 1, batched_steps=s.batched_steps + (running > 1),
-            peak_running=max(s.peak_running, running), running=running, kv_cache_usage=kv_cache_usage,
-            generated_tokens=s.generated_tokens + generated,
-        )
+        s = self._steps
+        s.engine_steps += 1
+        s.batched_steps += running > 1
+        s.peak_running = max(s.peak_running, running)
+        s.running, s.kv_cache_usage = running, kv_cache_usage
+        s.generated_tokens += generated
 
-    def _count(self, **deltas: int) -> None:
-        s = self._stats
-        self._stats = replace(s, **{name: getattr(s, name) + value for name, value in deltas.items()})
+    def _count(self, name: str, value: int) -> None:
+        """Add to one counter of `TalkerStats` (a dict update: this runs for every streamed output)."""
+        counts = self._counts
+        counts[name] = counts.get(name, 0) + value
+
+
+@dataclass(slots=True)
+class _Steps:
+    """vLLM's per-step statistics, updated in place (once per engine step)."""
+
+    engine_steps: int = 0
+    batched_steps: int = 0
+    peak_running: int = 0
+    running: int = 0
+    kv_cache_usage: float = 0.0
+    generated_tokens: int = 0
 
 
 def _option_int(request: SynthesisRequest, name: str) -> int | None:

@@ -16,24 +16,35 @@ which samples of the decoded window to send:
   (there is no future). Chunk boundaries are a pure function of frame counts, never of timing.
 
 `SnacCodec` loads a SNAC model from a local folder (`config.json` + `pytorch_model.bin`, the layout of
-hubertsiuzdak/snac_24khz) and decodes batches of equal-length windows. `CodecBatcher` collects the windows
-every session asks for and decodes those of equal length together, one batch at a time on one worker
-thread, so concurrent sessions share device launches.
+hubertsiuzdak/snac_24khz) and decodes batches of equal-length windows; on a GPU in float16 through CUDA
+graphs captured per window length and batch bucket. `CodecBatcher` collects the windows every session asks
+for and decodes those of equal length together, one batch at a time on one worker thread, most urgent
+length first (earliest deadline), so concurrent sessions share device launches and a first chunk never
+waits behind windows that have seconds of audio in hand.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import json
+import logging
+import time
+import types
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 from voicewire.adapters.base import FloatAudio
-from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLES_PER_FRAME, CodeFrames, to_snac_levels
+from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLES_PER_FRAME, CodeFrames
+
+T = TypeVar("T")
+log = logging.getLogger("voicewire.talker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +90,10 @@ class ChunkStreamer:
 
     policy: ChunkPolicy
     initial_frames: int
+    window_lengths: tuple[int, ...] = ()
+    """Preferred window lengths (the codec's CUDA graph shapes, ascending): a window shorter than one of them
+    takes more left context, when the unit has the frames, to reach the next one (more context changes no
+    sample it sends by more than the seam tolerance, and it is exact where the context reaches 3 frames)."""
     _frames: list[CodeFrames] = field(default_factory=list)
     _total: int = 0
     _next: int = 0
@@ -109,9 +124,13 @@ class ChunkStreamer:
     def _window(self, end: int, lookahead: int, held: int) -> DecodeWindow:
         start = self._next
         first = start - min(self.policy.left_context_frames, start)
+        stop = end + lookahead
+        target = next((n for n in self.window_lengths if n >= stop - first), None)
+        if target is not None and stop - target >= 0:
+            first = min(first, stop - target)
         origin = first * SAMPLES_PER_FRAME
         emit_end = end * SAMPLES_PER_FRAME - held
-        window = DecodeWindow(first, self._all()[first:end + lookahead], self._emitted - origin,
+        window = DecodeWindow(first, self._all()[first:stop], self._emitted - origin,
                               emit_end - origin, end - start)
         self._next = end
         self._emitted = emit_end
@@ -127,13 +146,40 @@ class ChunkStreamer:
 
 class SnacCodec:
     """A SNAC decoder loaded from a local folder; `decode` turns a batch of equal-length frame windows
-    into audio. Not thread-safe: one caller at a time (`CodecBatcher` guarantees it)."""
+    into audio. Not thread-safe: one caller at a time (`CodecBatcher` guarantees it).
 
-    def __init__(self, model_dir: str | Path, device: str = "auto") -> None:
+    On a GPU (see `docs/engines.md`, "Codec on the GPU"): the decoder runs in `dtype` (`"auto"`: float16 on
+    CUDA, float32 elsewhere) with its last layers (snake, output conv, tanh) in float32, and `prepare()`
+    captures one CUDA graph per window length and batch bucket (`GRAPH_BATCHES`), so a decode is three
+    launches (codes in, graph, audio out) and one stream sync instead of ~300 kernels and ~1200 Python
+    dispatches that each take and give back the GIL. A batch is padded with code-0 rows up to its bucket;
+    shapes without a graph (longer windows) run eagerly. A reduced-precision batch whose audio is not finite
+    is decoded again in float32 (`fallbacks` counts them).
+    """
+
+    GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+    def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "auto",
+                 cuda_graphs: bool = True) -> None:
         self.model_dir = Path(model_dir)
         self.device = device
+        self.dtype = dtype
+        self.cuda_graphs = cuda_graphs
+        self.fallbacks = 0
         self._model: Any = None
+        self._model32: Any = None
+        self._tail: Any = None
         self._torch: Any = None
+        self._stream: Any = None
+        self._graphs: dict[tuple[int, int], Any] = {}
+        self._graph_batches: dict[int, list[int]] = {}
+        self._pool: Any = None
+        self._buffers: Any = None
+
+    @property
+    def graph_shapes(self) -> int:
+        """How many (batch bucket, window length) CUDA graphs `prepare()` captured."""
+        return len(self._graphs)
 
     def load(self) -> None:
         """Build the model from `config.json`, load `pytorch_model.bin`, fold weight norm, move it to the
@@ -155,51 +201,201 @@ class SnacCodec:
         for module in model.modules():
             if torch.nn.utils.parametrize.is_parametrized(module, "weight"):
                 torch.nn.utils.parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+            if type(module).__name__ == "Snake1d":
+                # SNAC's snake is a TorchScript function; the same arithmetic eagerly, so that CUDA graph
+                # capture never meets the JIT's profiling runs or a fusion compiled mid-capture.
+                module.forward = types.MethodType(_snake_forward, module)
+        model.encoder = None  # decoding only
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = device
-        self._model = model.to(device).eval()
-        self._torch = torch
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "float16" if device.startswith("cuda") else "float32"
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"talker codec: dtype {dtype!r} is not float32, float16 or bfloat16")
+        self.device, self.dtype = device, dtype
+        model = model.to(device).eval()
+        tail = copy.deepcopy(model.decoder.model[-3:])  # snake, output conv, tanh: kept in float32
+        if dtype != "float32":
+            self._model32 = copy.deepcopy(model)
+            model = model.to(getattr(torch, dtype))
+        self._model, self._tail, self._torch = model, tail, cast(Any, torch)
+        if device.startswith("cuda"):
+            self._stream = self._torch.cuda.Stream(device=device)
 
-    def decode(self, frames: CodeFrames) -> npt.NDArray[np.float32]:
-        """Frames of shape (batch, n, 7) -> float32 audio of shape (batch, n * 2048)."""
+    def _forward(self, codes: Any, model: Any = None) -> Any:
+        """Codes (batch, n, 7) int64 on the device -> float32 audio (batch, n * 2048); no host sync."""
+        torch = self._torch
+        model = model if model is not None else self._model
+        batch = codes.shape[0]
+        levels = [codes[..., 0],
+                  torch.stack((codes[..., 1], codes[..., 4]), -1).reshape(batch, -1),
+                  torch.stack((codes[..., 2], codes[..., 3], codes[..., 5], codes[..., 6]), -1).reshape(batch, -1)]
+        hidden = model.decoder.model[:-3](model.quantizer.from_codes(levels))
+        return self._tail(hidden.float())[:, 0, :]
+
+    @property
+    def graph_lengths(self) -> tuple[int, ...]:
+        """The window lengths (frames) with captured graphs, ascending."""
+        return tuple(sorted(self._graph_batches))
+
+    def prepare(self, lengths: Sequence[int], max_batch: int) -> None:
+        """On CUDA with `cuda_graphs`: capture a graph for each window length in `lengths` and every batch
+        bucket up to `max_batch`. Measured on the H200: about 1.2 s per (length, bucket) shape, mostly cuDNN
+        building its plans for a shape it has not seen (an eager decode pays that too, the first time it meets
+        a shape), so capture only the lengths the schedule produces. Elsewhere: nothing."""
         torch = self._torch
         if torch is None:
             raise RuntimeError("talker codec: not loaded (call load() first)")
+        if not (self.cuda_graphs and self.device.startswith("cuda")) or not lengths:
+            return
+        buckets = [b for b in self.GRAPH_BATCHES if b < max_batch] + [max_batch]
+        max_frames = max(lengths)
         with torch.inference_mode():
-            codes = [torch.from_numpy(np.ascontiguousarray(level)).to(self.device)
-                     for level in to_snac_levels(frames)]
-            audio = self._model.decode(codes)
-            return cast(npt.NDArray[np.float32], audio[:, 0, :].float().cpu().numpy())
+            codes_in = torch.zeros(max_batch * max_frames * CODES_PER_FRAME, dtype=torch.int64, device=self.device)
+            audio_out = torch.zeros(max_batch * max_frames * SAMPLES_PER_FRAME, dtype=torch.float32,
+                                    device=self.device)
+            finite = torch.ones(1, dtype=torch.bool, device=self.device)
+            pinned = (torch.zeros(codes_in.numel(), dtype=torch.int64, pin_memory=True),
+                      torch.zeros(audio_out.numel(), dtype=torch.float32, pin_memory=True),
+                      torch.zeros(1, dtype=torch.bool, pin_memory=True))
+            self._buffers = (codes_in, audio_out, finite, pinned)
+            self._pool = torch.cuda.graph_pool_handle()
+            try:
+                self._capture(buckets, sorted(set(lengths)))
+            except Exception:  # a decoder that cannot be captured still decodes, eagerly
+                log.exception("talker codec: CUDA graph capture failed; decoding eagerly")
+                self._graphs.clear()
+                self._graph_batches.clear()
+            torch.cuda.synchronize()
+
+    def _capture(self, buckets: list[int], lengths: list[int]) -> None:
+        torch = self._torch
+        codes_in, audio_out, finite, _ = self._buffers
+        side = torch.cuda.Stream(device=self.device)
+        for frames in lengths:
+            for batch in buckets:
+                codes = codes_in[:batch * frames * CODES_PER_FRAME].view(batch, frames, CODES_PER_FRAME)
+                out = audio_out[:batch * frames * SAMPLES_PER_FRAME].view(batch, -1)
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._forward(codes)  # warm-up: cuDNN plans, allocator
+                torch.cuda.current_stream().wait_stream(side)
+                # capture_begin/end rather than `torch.cuda.graph`, which runs gc and empties the
+                # allocator's cache before every one of the ~240 captures.
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.stream(side):
+                    graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                    try:
+                        audio = self._forward(codes)
+                        out.copy_(audio)
+                        finite.copy_(torch.isfinite(audio).all().reshape(1))
+                    finally:
+                        graph.capture_end()
+                del audio
+                self._graphs[(batch, frames)] = graph
+            self._graph_batches[frames] = buckets
+
+    def decode(self, frames: CodeFrames) -> npt.NDArray[np.float32]:
+        """Frames of shape (batch, n, 7) -> float32 audio of shape (batch, n * 2048) (a fresh array)."""
+        torch = self._torch
+        if torch is None:
+            raise RuntimeError("talker codec: not loaded (call load() first)")
+        batch, length = frames.shape[0], frames.shape[1]
+        buckets = self._graph_batches.get(length)
+        bucket = next((b for b in buckets if b >= batch), None) if buckets else None
+        with torch.inference_mode():
+            if bucket is not None:
+                audio, finite = self._replay(frames, bucket)
+            else:
+                audio, finite = self._eager(frames, self._model)
+            if not finite:
+                self.fallbacks += 1
+                audio, _ = self._eager(frames, self._model32)
+            return audio
+
+    def _replay(self, frames: CodeFrames, bucket: int) -> tuple[npt.NDArray[np.float32], bool]:
+        torch = self._torch
+        batch, length = frames.shape[0], frames.shape[1]
+        codes_in, audio_out, finite, (pin_codes, pin_audio, pin_finite) = self._buffers
+        staged = pin_codes[:bucket * length * CODES_PER_FRAME].numpy().reshape(bucket, length, CODES_PER_FRAME)
+        staged[:batch] = frames
+        staged[batch:] = 0
+        count = bucket * length * CODES_PER_FRAME
+        samples = batch * length * SAMPLES_PER_FRAME
+        with torch.cuda.stream(self._stream):
+            codes_in[:count].copy_(pin_codes[:count], non_blocking=True)
+            self._graphs[(bucket, length)].replay()
+            pin_audio[:samples].copy_(audio_out[:samples], non_blocking=True)
+            pin_finite.copy_(finite, non_blocking=True)
+            self._stream.synchronize()
+        audio = pin_audio[:samples].numpy().reshape(batch, -1).copy()
+        return cast(npt.NDArray[np.float32], audio), bool(pin_finite.item())
+
+    def _eager(self, frames: CodeFrames, model: Any) -> tuple[npt.NDArray[np.float32], bool]:
+        torch = self._torch
+        if model is None:  # float32 already: a non-finite result stays as it is
+            model = self._model
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            codes = torch.from_numpy(np.ascontiguousarray(frames, dtype=np.int64)).to(self.device)
+            audio = self._forward(codes, model)
+            finite = bool(torch.isfinite(audio).all()) if self.dtype != "float32" else True
+            return cast(npt.NDArray[np.float32], audio.cpu().numpy()), finite
+
+
+def _snake_forward(self: Any, x: Any) -> Any:
+    """SNAC's `snake(x, alpha)`, the same arithmetic without TorchScript."""
+    import torch
+
+    alpha = self.alpha
+    return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
 
 
 @dataclass(frozen=True, slots=True)
 class CodecStats:
-    """Codec work since start: decode calls (`batches`), windows decoded, the largest batch, frames."""
+    """Codec work since start: decode calls (`batches`), windows decoded, the largest batch, frames, the
+    decode time summed and at its worst (`decode_s`, `max_decode_ms`: the codec thread's call, copies and
+    stream sync included), and windows decoded after their deadline (`late`)."""
 
     batches: int = 0
     windows: int = 0
     max_batch: int = 0
     frames: int = 0
+    decode_s: float = 0.0
+    max_decode_ms: float = 0.0
+    late: int = 0
+
+
+@dataclass(slots=True)
+class _Job:
+    window: DecodeWindow
+    deadline: float
+    future: asyncio.Future[FloatAudio]
+    times: list[float] | None
 
 
 class CodecBatcher:
     """Decodes windows from any number of concurrent requests, batching those of equal length.
 
-    `decode(window)` queues the window and waits for its audio. One worker task takes everything queued,
-    groups it by window length and decodes each group as one batch (at most `max_batch` windows) on the
-    codec thread; windows queued meanwhile form the next batches. Cancelling a waiter is safe at any time
-    (its result is dropped). (Tried on the H200: serving the most urgent window's group first with a
-    256-frame cap per batch doubled the batches and raised TTFA at 64 sessions from 93 to 132 ms.)
-    Memory: the queued windows' codes and one batch of audio.
+    `decode(window, deadline)` queues the window and waits for its audio. One worker task decodes one batch
+    at a time on the codec thread: of everything queued, the windows of the length whose most urgent window
+    has the earliest deadline (`time.perf_counter()` seconds: when the listener's audio runs out; a unit's
+    first chunk is due at once), up to `max_batch` windows and `max_batch_frames` frames, most urgent first.
+    The frame cap bounds how long an urgent window can wait behind a batch already on the GPU (measured on
+    the H200 in float16 graphs: 64 windows of 20 frames take 58 ms, 16 of them about 15 ms; the time is
+    linear in frames, so splitting costs no GPU time). It re-reads the queue after
+    every batch, so a first chunk queued meanwhile goes next, ahead of long windows with seconds of slack.
+    Cancelling a waiter is safe at any time (its result is dropped). Memory: the queued windows' codes and
+    one batch of audio.
     """
 
-    def __init__(self, codec: SnacCodec, max_batch: int = 64) -> None:
+    def __init__(self, codec: SnacCodec, max_batch: int = 64, max_batch_frames: int = 320) -> None:
         self.codec = codec
         self.max_batch = max_batch
+        self.max_batch_frames = max_batch_frames
         self.stats = CodecStats()
-        self._queue: list[tuple[DecodeWindow, asyncio.Future[FloatAudio]]] = []
+        self._queue: list[_Job] = []
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -210,24 +406,33 @@ class CodecBatcher:
         self._wake = asyncio.Event()
         self._worker = asyncio.get_running_loop().create_task(self._run(), name="talker-codec")
 
+    async def on_codec_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the codec thread (CUDA graph capture, warm-up), between batches."""
+        if self._executor is None:
+            raise RuntimeError("talker codec: batcher not started")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
     async def close(self) -> None:
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.cancel()
             await asyncio.gather(worker, return_exceptions=True)
-        for _, future in self._queue:
-            future.cancel()
+        for job in self._queue:
+            job.future.cancel()
         self._queue.clear()
         executor, self._executor = self._executor, None
         if executor is not None:
             await asyncio.to_thread(executor.shutdown, wait=True)
 
-    async def decode(self, window: DecodeWindow) -> FloatAudio:
-        """The window's output samples (`emit_start:emit_end` of its decoded audio)."""
+    async def decode(self, window: DecodeWindow, deadline: float | None = None,
+                     times: list[float] | None = None) -> FloatAudio:
+        """The window's output samples (`emit_start:emit_end` of its decoded audio). `deadline`
+        (perf_counter seconds; default now) orders the work; `times`, if given, receives the
+        perf_counter times its batch's decode started and ended."""
         if self._wake is None:
             raise RuntimeError("talker codec: batcher not started")
         future: asyncio.Future[FloatAudio] = asyncio.get_running_loop().create_future()
-        self._queue.append((window, future))
+        self._queue.append(_Job(window, time.perf_counter() if deadline is None else deadline, future, times))
         self._wake.set()
         return await future
 
@@ -237,31 +442,44 @@ class CodecBatcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._queue:
-                taken, self._queue = self._queue, []
-                groups: dict[int, list[tuple[DecodeWindow, asyncio.Future[FloatAudio]]]] = {}
-                for job in taken:
-                    if not job[1].done():
-                        groups.setdefault(len(job[0].frames), []).append(job)
-                for jobs in groups.values():
-                    for at in range(0, len(jobs), self.max_batch):
-                        await self._decode_batch(loop, jobs[at:at + self.max_batch])
+            while True:
+                self._queue = [job for job in self._queue if not job.future.done()]
+                if not self._queue:
+                    break
+                urgent = min(self._queue, key=lambda job: job.deadline)
+                length = len(urgent.window.frames)
+                group = sorted((job for job in self._queue if len(job.window.frames) == length),
+                               key=lambda job: job.deadline)[:self._batch_size(length)]
+                taken = {id(job) for job in group}
+                self._queue = [job for job in self._queue if id(job) not in taken]
+                await self._decode_batch(loop, group)
 
-    async def _decode_batch(self, loop: asyncio.AbstractEventLoop,
-                            batch: list[tuple[DecodeWindow, asyncio.Future[FloatAudio]]]) -> None:
-        codes = np.stack([window.frames for window, _ in batch])
+    def _batch_size(self, length: int) -> int:
+        """Windows of `length` frames per batch: at most `max_batch` and `max_batch_frames` frames (at least
+        one window), rounded down to a CUDA graph bucket so no padded rows are decoded."""
+        fits = min(self.max_batch, max(1, self.max_batch_frames // max(length, 1)))
+        return max((b for b in (*SnacCodec.GRAPH_BATCHES, self.max_batch) if b <= fits), default=1)
+
+    async def _decode_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Job]) -> None:
+        codes = np.stack([job.window.frames for job in batch])
+        began = time.perf_counter()
         try:
             audio = await loop.run_in_executor(self._executor, self.codec.decode, codes)
         except Exception as exc:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
+            for job in batch:
+                if not job.future.done():
+                    job.future.set_exception(exc)
             return
-        self._count(len(batch), codes.shape[0] * codes.shape[1])
-        for row, (window, future) in enumerate(batch):
-            if not future.done():
-                future.set_result(np.ascontiguousarray(audio[row, window.emit_start:window.emit_end]))
+        ended = time.perf_counter()
+        self._count(len(batch), codes.shape[0] * codes.shape[1], ended - began,
+                    sum(1 for job in batch if job.deadline < ended))
+        for row, job in enumerate(batch):
+            if job.times is not None:
+                job.times += [began, ended]
+            if not job.future.done():
+                job.future.set_result(audio[row, job.window.emit_start:job.window.emit_end])
 
-    def _count(self, size: int, frames: int) -> None:
+    def _count(self, size: int, frames: int, seconds: float, late: int) -> None:
         s = self.stats
-        self.stats = CodecStats(s.batches + 1, s.windows + size, max(s.max_batch, size), s.frames + frames)
+        self.stats = CodecStats(s.batches + 1, s.windows + size, max(s.max_batch, size), s.frames + frames,
+                                s.decode_s + seconds, max(s.max_decode_ms, seconds * 1000.0), s.late + late)

@@ -13,12 +13,25 @@ For each concurrency C: C sessions at once each speak one utterance (`split_gran
 - real-time factor: (last audio byte - input.done) / audio seconds;
 and for the level: audio seconds delivered per wall second over all streams.
 
+Where the time goes (`--trace`, on by default): the engine records each unit's first-chunk stages (call,
+first vLLM output, first frame, codec batch start / end, piece yielded; `TalkerEngine.trace`), paired with the
+client's send and first-byte times through the session's seed, so TTFA splits into: client -> engine call,
+talker prefill + first 7 tokens, codec queue wait, codec decode, hand-back, server -> client. Stalls are
+reported with the index of the chunk that arrived late.
+
+Before the server starts, a codec micro-benchmark (CUDA only): the SNAC decoder alone, float32 eager (the
+previous engine) against the engine's float16 CUDA graphs, per (batch, window frames), and the float16
+error against float32 on a noise-free decoder of the same sizes.
+
+Levels are `C` or `C:I` (`I` = `initial_codec_chunk_frames` sent by every session; default: the engine's).
+
 Beside it, the raw talker: the same units' token streams straight from the engine's `AsyncLLM`
 (`TalkerEngine.talker_tokens`, no codec, no server), C at once: time to the first frame's 7 tokens and the
 per-stream frame rate as a real-time factor. The ratio of the two TTFAs is what the serving path adds.
 
 Run from the repository root: `python -m bench.talker_gpu --out DIR` (see `--help`; `--shape tiny` runs the
-same path on the CPU in a few minutes). Results: docs/benchmarks.md, "Talker on GPU".
+same path on the CPU in a few minutes). Results: docs/benchmarks.md, "Talker on GPU", which also gives the
+device command (payload and wheels carried, `av` stubbed).
 """
 
 from __future__ import annotations
@@ -60,38 +73,45 @@ class Stream:
     rtf: float
     stall_s: float
     stalls: int
+    stall_chunks: tuple[int, ...] = ()
 
 
 def play(sent_at: float, arrivals: list[tuple[float, int]]) -> Stream:
     """Replay arrivals (time, samples) through a player that starts at the first byte."""
     start = arrivals[0][0]
     played_until = start
-    stall_s, stalls = 0.0, 0
-    for at, samples in arrivals:
+    stall_s, stalls, where = 0.0, 0, []
+    for index, (at, samples) in enumerate(arrivals):
         if at > played_until:
             stall_s += at - played_until
             stalls += 1
+            where.append(index)
             played_until = at
         played_until += samples / SAMPLE_RATE
     audio_s = sum(n for _, n in arrivals) / SAMPLE_RATE
-    return Stream((start - sent_at) * 1000.0, audio_s, (arrivals[-1][0] - sent_at) / audio_s, stall_s, stalls)
+    return Stream((start - sent_at) * 1000.0, audio_s, (arrivals[-1][0] - sent_at) / audio_s, stall_s, stalls,
+                  tuple(where))
 
 
 # -- clients (their own process) -------------------------------------------------------------------------
 
-def run_clients(url: str, concurrency: int, text: str) -> dict[str, Any]:
-    """C sessions at once, each sending `input.done` once all are configured; each stream's (time
-    `input.done` was sent, [(arrival time, samples) of each binary frame])."""
-    return asyncio.run(_clients(url, concurrency, text))
+def run_clients(url: str, concurrency: int, text: str, initial: int | None = None, seed0: int = 0) -> dict[str, Any]:
+    """C sessions at once (seeds `seed0 + i`), each sending `input.done` once all are configured; each
+    stream's (time `input.done` was sent, [(arrival time, samples) of each binary frame], the server's
+    `first_audio_ms`)."""
+    return asyncio.run(_clients(url, concurrency, text, initial, seed0))
 
 
-async def _clients(url: str, concurrency: int, text: str) -> dict[str, Any]:
+async def _clients(url: str, concurrency: int, text: str, initial: int | None, seed0: int) -> dict[str, Any]:
     import websockets
 
-    async def one(index: int) -> tuple[float, list[tuple[float, int]]]:
-        async with websockets.connect(url, max_size=None) as ws:
-            await ws.send(json.dumps({"type": "session.config", "voice": "tara", "response_format": "pcm",
-                                      "stream_audio": True, "split_granularity": "none", "seed": index}))
+    async def one(index: int) -> tuple[float, list[tuple[float, int]], float | None]:
+        async with websockets.connect(url, max_size=None, compression=None) as ws:
+            config: dict[str, Any] = {"type": "session.config", "voice": "tara", "response_format": "pcm",
+                                      "stream_audio": True, "split_granularity": "none", "seed": seed0 + index}
+            if initial is not None:
+                config["initial_codec_chunk_frames"] = initial
+            await ws.send(json.dumps(config))
             while json.loads(await ws.recv())["type"] != "session.updated":
                 pass
             await ws.send(json.dumps({"type": "input.text", "text": text}))
@@ -106,8 +126,10 @@ async def _clients(url: str, concurrency: int, text: str) -> dict[str, Any]:
                 frame = await ws.recv()
                 if isinstance(frame, bytes):
                     arrivals.append((time.perf_counter(), len(frame) // 2))
-                elif json.loads(frame)["type"] in ("session.done", "error"):
-                    return sent, arrivals
+                    continue
+                message = json.loads(frame)
+                if message["type"] in ("session.done", "error"):
+                    return sent, arrivals, (message.get("timings") or {}).get("first_audio_ms")
 
     ready = asyncio.Event()
     configured: list[int] = []
@@ -136,73 +158,179 @@ async def raw_talker(engine: TalkerEngine, concurrency: int, text: str, tag: str
     return list(await asyncio.gather(*(one(i) for i in range(concurrency))))
 
 
+# -- codec alone (CUDA) -----------------------------------------------------------------------------------
+
+MICRO_SHAPES = ((1, 1), (1, 2), (1, 5), (8, 2), (64, 1), (64, 2), (64, 5), (32, 20), (64, 20))
+
+
+def codec_micro(root: Path, sizes: dict[str, Any], max_batch: int) -> dict[str, Any]:
+    """SNAC alone on the GPU: float32 eager (the previous engine) vs the engine's float16 CUDA graphs, ms per
+    decode call (p50 of 20, the host copies and sync included), and float16's error on a noise-free decoder."""
+    import numpy as np
+    import torch
+    from voicewire.adapters.talker_codec import SnacCodec
+
+    folder = write_snac(root / "snac-quiet", {**sizes, "noise": False})
+    rng = np.random.default_rng(0)
+    timings: dict[str, dict[str, float]] = {}
+    outputs: dict[str, Any] = {}
+    probe = rng.integers(0, 4096, size=(4, 20, CODES_PER_FRAME), dtype=np.int64)
+    for name, dtype, graphs in (("fp32_eager", "float32", False), ("fp16_graphs", "float16", True)):
+        codec = SnacCodec(folder, "cuda", dtype, graphs)
+        codec.load()
+        began = time.perf_counter()
+        codec.prepare(sorted({frames for _, frames in MICRO_SHAPES}), max_batch)
+        timings[name] = {"prepare_s": time.perf_counter() - began, "graphs": codec.graph_shapes}
+        for batch, frames in MICRO_SHAPES:
+            codes = rng.integers(0, 4096, size=(batch, frames, CODES_PER_FRAME), dtype=np.int64)
+            for _ in range(3):
+                codec.decode(codes)
+            spent = []
+            for _ in range(20):
+                t = time.perf_counter()
+                codec.decode(codes)
+                spent.append((time.perf_counter() - t) * 1000.0)
+            timings[name][f"{batch}x{frames}"] = percentile(spent, 50)
+        outputs[name] = codec.decode(probe)
+        del codec
+        torch.cuda.empty_cache()
+    ref, got = outputs["fp32_eager"], outputs["fp16_graphs"]
+    error = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    return {"ms": timings, "fp16_rel_error": error, "fp16_max_abs_error": float(np.abs(got - ref).max())}
+
+
 # -- main ------------------------------------------------------------------------------------------------
+
+STAGES = (("client -> engine call", "sent", "call"), ("talker: call -> 1st output", "call", "first_output"),
+          ("talker: 1st output -> 1st frame", "first_output", "first_frame"),
+          ("codec queue wait", "queued", "decode_start"), ("codec decode", "decode_start", "decode_end"),
+          ("decoded -> piece yielded", "decode_end", "yielded"), ("yielded -> client 1st byte", "yielded", "arrival"))
+
+
+def stages(got: list[Any], trace: dict[str, dict[str, float]], seed0: int) -> dict[str, list[float]]:
+    """Per stage, the ms of each stream whose trace is complete (paired by seed)."""
+    by_seed = {int(t["seed"]): t for t in trace.values() if "yielded" in t}
+    out: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    for index, (sent, arrivals, _) in enumerate(got):
+        t = by_seed.get(seed0 + index)
+        if t is None:
+            continue
+        points = {**t, "sent": sent, "arrival": arrivals[0][0]}
+        for name, a, b in STAGES:
+            out[name].append((points[b] - points[a]) * 1000.0)
+    return out
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--concurrency", default="1,8,32,64,128")
+    parser.add_argument("--concurrency", default="1,8,32,64,64:2,128",
+                        help="levels, each C or C:I (I = initial_codec_chunk_frames every session asks for)")
     parser.add_argument("--shape", choices=("3b", "tiny"), default="3b")
     parser.add_argument("--out", type=Path, default=None, help="folder for results.json")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--codec-dtype", default="auto")
+    parser.add_argument("--no-codec-graphs", action="store_true")
+    parser.add_argument("--no-micro", action="store_true", help="skip the codec micro-benchmark")
     args = parser.parse_args(argv)
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = [(int(c.split(":")[0]), int(c.split(":")[1]) if ":" in c else None)
+              for c in args.concurrency.split(",")]
+    top = max(c for c, _ in levels)
     root = Path(tempfile.mkdtemp(prefix="talker-bench-"))
     big = args.shape == "3b"
+    results: dict[str, Any] = {"shape": args.shape, "text_chars": len(TEXT), "levels": []}
+    if not args.no_micro and _cuda():
+        results["codec_micro"] = micro = codec_micro(root, SNAC_24KHZ if big else TINY_SNAC, 64)
+        print(json.dumps(micro, indent=1), flush=True)
     config = TalkerConfig(
         talker_model=str(write_talker(root / "talker", LLAMA_3_2_3B if big else TINY_LLAMA)),
         codec_model=str(write_snac(root / "snac", SNAC_24KHZ if big else TINY_SNAC)),
-        max_concurrency=2 * max(levels), max_model_len=2048, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=not big, random_weights=True, max_frames=400,
+        max_concurrency=2 * top, max_model_len=2048, gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=not big, random_weights=True, max_frames=400, codec_dtype=args.codec_dtype,
+        codec_cuda_graphs=not args.no_codec_graphs,
     )
     began = time.perf_counter()
     engine = TalkerEngine(config)
-    sessions = 2 * max(levels) + 8
+    sessions = 2 * top + 8
     server = ServerThread(Settings(engine="talker", max_sessions=sessions, max_sessions_per_ip=sessions), engine)
     server.call(lambda: _until_ready(server), timeout=900)
     started_s = time.perf_counter() - began
-    print(f"engine ready in {started_s:.0f} s (frames per unit: {engine.unit_frames(TEXT)})", flush=True)
-    results: dict[str, Any] = {"shape": args.shape, "engine_start_s": started_s, "text_chars": len(TEXT),
-                               "unit_frames": engine.unit_frames(TEXT), "levels": []}
-    rows = []
+    codec = engine._codec
+    print(f"engine ready in {started_s:.0f} s (frames per unit: {engine.unit_frames(TEXT)}; codec {codec.device} "
+          f"{codec.dtype}, {codec.graph_shapes} CUDA graphs)", flush=True)
+    results.update(engine_start_s=started_s, unit_frames=engine.unit_frames(TEXT), codec_dtype=codec.dtype,
+                   codec_graphs=codec.graph_shapes)
+    rows, stage_rows = [], []
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
-        for conc in levels:
-            clients.submit(run_clients, server.ws_url, conc, WARM_TEXT).result()
+        for number, (conc, initial) in enumerate(levels):
+            label = f"{conc}" if initial is None else f"{conc} (1st chunk {initial})"
+            seed0 = 1000 * (number + 1)
+            clients.submit(run_clients, server.ws_url, conc, WARM_TEXT, initial).result()
             server.call(lambda c=conc: raw_talker(engine, c, WARM_TEXT, f"warm{c}"), timeout=600)
             before = engine.stats
-            got = clients.submit(run_clients, server.ws_url, conc, TEXT).result()
+            engine.trace(True)
+            got = clients.submit(run_clients, server.ws_url, conc, TEXT, initial, seed0).result()["streams"]
+            trace = engine.trace(False)
             after = engine.stats
-            raw = server.call(lambda c=conc: raw_talker(engine, c, TEXT, f"m{c}"), timeout=600)
-            streams = [play(sent, arrivals) for sent, arrivals in got["streams"]]
-            first_sent = min(sent for sent, _ in got["streams"])
-            last_byte = max(arrivals[-1][0] for _, arrivals in got["streams"])
+            raw = server.call(lambda c=conc, n=number: raw_talker(engine, c, TEXT, f"m{n}"), timeout=600)
+            streams = [play(sent, arrivals) for sent, arrivals, _ in got]
+            first_sent = min(sent for sent, _, _ in got)
+            last_byte = max(arrivals[-1][0] for _, arrivals, _ in got)
+            split = stages(got, trace, seed0)
+            stall_at: dict[int, int] = {}
+            for st in streams:
+                for index in st.stall_chunks:
+                    stall_at[index] = stall_at.get(index, 0) + 1
+            a, b = after.codec, before.codec
             level = {
-                "concurrency": conc,
+                "concurrency": conc, "initial_frames": initial,
                 "ttfa_ms": [s.ttfa_ms for s in streams], "rtf": [s.rtf for s in streams],
                 "stall_s": [s.stall_s for s in streams], "stalls": [s.stalls for s in streams],
+                "stall_chunk_index": stall_at,
                 "audio_s_per_wall_s": sum(s.audio_s for s in streams) / (last_byte - first_sent),
                 "raw_first_frame_ms": [r[0] for r in raw], "raw_rtf": [r[1] for r in raw],
-                "codec_batches": after.codec.batches - before.codec.batches,
-                "codec_windows": after.codec.windows - before.codec.windows,
-                "codec_max_batch": after.codec.max_batch, "peak_running": after.peak_running,
+                "server_first_audio_ms": [f for _, _, f in got if f is not None],
+                "stages_ms": split,
+                "codec_batches": a.batches - b.batches, "codec_windows": a.windows - b.windows,
+                "codec_decode_s": a.decode_s - b.decode_s, "codec_max_decode_ms": a.max_decode_ms,
+                "codec_late_windows": a.late - b.late, "codec_max_batch": a.max_batch,
+                "codec_fallbacks": codec.fallbacks, "peak_running": after.peak_running,
             }
             results["levels"].append(level)
             ttfa, raw_first = level["ttfa_ms"], level["raw_first_frame_ms"]
-            rows.append([conc, f"{percentile(ttfa, 50):.0f} / {percentile(ttfa, 95):.0f}",
+            stalled = [s for s in streams if s.stalls]
+            worst = max((s.stall_s for s in streams), default=0.0)
+            rows.append([label, f"{percentile(ttfa, 50):.0f} / {percentile(ttfa, 95):.0f}",
                          f"{percentile(raw_first, 50):.0f}", f"{percentile(ttfa, 50) / percentile(raw_first, 50):.2f}",
                          f"{percentile(level['rtf'], 50):.3f}", f"{percentile(level['raw_rtf'], 50):.3f}",
-                         f"{sum(1 for s in streams if s.stalls)} of {conc}", f"{sum(s.stall_s for s in streams):.2f}",
+                         f"{len(stalled)} of {conc}",
+                         f"{sum(s.stall_s for s in streams):.2f} (max {1000 * worst:.0f} ms)",
+                         ",".join(f"#{k}:{v}" for k, v in sorted(stall_at.items())) or "-",
                          f"{level['audio_s_per_wall_s']:.1f}",
-                         f"{level['codec_windows'] / max(level['codec_batches'], 1):.1f}"])
-            print(f"concurrency {conc} done", flush=True)
+                         f"{level['codec_windows'] / max(level['codec_batches'], 1):.1f}",
+                         f"{1000 * level['codec_decode_s'] / max(level['codec_batches'], 1):.1f}"])
+            stage_rows.append([label, *(f"{percentile(split[name], 50):.1f}" for name, _, _ in STAGES),
+                               f"{percentile(level['server_first_audio_ms'], 50):.1f}"])
+            print(f"concurrency {label} done", flush=True)
     server.stop()
     header = ["conc", "TTFA p50 / p95 ms", "raw talker 1st frame p50 ms", "TTFA / raw", "RTF p50",
-              "raw talker RTF p50", "streams with a stall", "total stall s", "audio s per wall s",
-              "chunks per codec batch"]
+              "raw talker RTF p50", "streams with a stall", "total stall s", "stalls at chunk #:streams",
+              "audio s per wall s", "chunks per codec batch", "ms per codec batch"]
     print(table(header, rows))
+    print()
+    print("first-chunk stages, p50 ms:")
+    print(table(["conc", *(name for name, _, _ in STAGES), "server commit -> socket"], stage_rows))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "talker_gpu.json").write_text(json.dumps(results, indent=1))
     return 0
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 async def _until_ready(server: ServerThread) -> None:
