@@ -81,8 +81,11 @@ CODEC_RATES: Final[dict[str, tuple[int, ...]]] = {
 
 
 def _to_int16(x: FloatArray) -> NDArray[np.int16]:
-    scaled = np.clip(np.asarray(x, dtype=np.float32), -1.0, 1.0) * np.float32(_PCM16_SCALE)
-    pcm: NDArray[np.int16] = np.rint(scaled).astype(np.int16)
+    """round(clip(x, -1, 1) * 32767) as int16: one temporary, then in-place passes (hot path)."""
+    scaled = np.clip(np.asarray(x, dtype=np.float32), -1.0, 1.0)
+    scaled *= np.float32(_PCM16_SCALE)
+    np.rint(scaled, out=scaled)
+    pcm: NDArray[np.int16] = scaled.astype(np.int16)
     return pcm
 
 
