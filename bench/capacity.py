@@ -31,20 +31,27 @@ import contextlib
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import aiohttp
 import websockets
 from voicewire.adapters.base import SynthesisRequest
 from voicewire.adapters.hibari import HibariEngine
 from websockets.asyncio.client import ClientConnection
 
-from bench.workload import SENTENCES, dump_json, first_unit, percentile, table, tokens, utterance
-from tests.server import free_port
+from bench.workload import (
+    SENTENCES,
+    ServerProcess,
+    children,
+    dump_json,
+    first_unit,
+    percentile,
+    table,
+    tokens,
+    utterance,
+)
 
 BYTES_PER_SECOND = 24000 * 2
 """pcm s16le mono at the engine's native 24 kHz (the bench asks for no resampling)."""
@@ -251,54 +258,27 @@ def _playback(frames: list[tuple[float, int]]) -> tuple[int, float, float]:
 # -- trials -----------------------------------------------------------------------------------------------
 
 
-class ServerProcess:
-    """`python -m voicewire.realtime` on a free loopback port; the first thread is its event loop."""
+class CapacityServer(ServerProcess):
+    """The server under test, with the CPU accounting the capacity figures need."""
 
     def __init__(self, workers: int, isolation: str) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "voicewire.realtime", "--port", str(self.port), "--engine-workers",
-             str(workers), "--engine-isolation", isolation, "--max-sessions", "10000", "--no-auth",
-             "--log-level", "WARNING"])
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/audio/speech/stream"
-
-    async def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession() as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}")
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with http.get(f"http://127.0.0.1:{self.port}/ready") as response:
-                        if response.status == 200:
-                            return
-                await asyncio.sleep(0.2)
-        raise TimeoutError("server not ready")
+        super().__init__("hibari", extra=("--engine-workers", str(workers), "--engine-isolation", isolation))
 
     def cpu_seconds(self) -> tuple[float, float, float]:
         """(event-loop thread CPU, CPU of all other threads and of the engine's child processes, run-queue
         wait of all of them) seconds so far; the wait is time a runnable thread spent waiting for a core
         (the machine was oversubscribed)."""
         loop, other, wait = _schedstat(self.proc.pid)
-        for child in _children(self.proc.pid):
+        for child in children(self.proc.pid):
             with contextlib.suppress(OSError):
                 main, rest, child_wait = _schedstat(child)
                 other += main + rest
                 wait += child_wait
         return loop, other, wait
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
-async def trial(server: ServerProcess, n: int, args: argparse.Namespace) -> Trial:
+async def trial(server: CapacityServer, n: int, args: argparse.Namespace) -> Trial:
     result = Trial(n)
     compression = None if args.compression == "none" else "deflate"
     connect_limit = asyncio.Semaphore(32)
@@ -365,18 +345,6 @@ def _schedstat(pid: int) -> tuple[float, float, float]:
     return main, other, wait
 
 
-def _children(pid: int) -> list[int]:
-    """Process ids whose parent is `pid` (the engine's worker processes)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
-            if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
 class _LoopLag:
     """How late this process's event loop wakes from a 10 ms sleep (a starved client misjudges arrivals)."""
 
@@ -413,7 +381,7 @@ class SearchResult:
 async def search(args: argparse.Namespace) -> SearchResult:
     ceiling = Ceiling(args.engine_workers, args.seed)
     await ceiling.engine.start()
-    server = ServerProcess(args.engine_workers, args.engine_isolation)
+    server = CapacityServer(args.engine_workers, args.engine_isolation)
     trials: list[Trial] = []
     lo = 0
     try:

@@ -48,8 +48,8 @@ import aiohttp
 import numpy as np
 from aiohttp import WSMsgType, web
 
-from bench.soak import Server
 from bench.workload import SENTENCES, dump_json, percentile, table
+from bench.workload import ServerProcess as Server
 from tests.server import free_port
 
 SAMPLE_RATE = 24000

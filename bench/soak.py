@@ -45,9 +45,7 @@ import os
 import random
 import re
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -57,8 +55,7 @@ import aiohttp
 import websockets
 from websockets.asyncio.client import ClientConnection
 
-from bench.workload import SENTENCES, dump_json, table, utterance
-from tests.server import free_port
+from bench.workload import SENTENCES, ServerProcess, children, dump_json, table, utterance
 
 BEHAVIOURS = ("normal", "barge_in", "disconnect", "slow_reader", "bad_messages", "stall")
 DEFAULT_MIX = "normal=50,barge_in=15,disconnect=10,slow_reader=10,bad_messages=12,stall=3"
@@ -108,48 +105,8 @@ class Sample:
 # -- the server -------------------------------------------------------------------------------------------
 
 
-class Server:
-    """`python -m voicewire.realtime` on a free loopback port, its log in a temporary file."""
-
-    def __init__(self, engine: str, max_sessions: int, extra: list[str] | None = None,
-                 cpus: set[int] | None = None) -> None:
-        self.port = free_port()
-        self.log = tempfile.NamedTemporaryFile(prefix="voicewire-soak-", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "voicewire.realtime", "--port", str(self.port), "--engine", engine,
-                   "--max-sessions", str(max_sessions), "--no-auth", "--log-level", "WARNING", *(extra or [])]
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-        self.pid = self.proc.pid
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/audio/speech/stream"
-
-    async def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession() as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log.name}")
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with http.get(f"{self.http_url}/ready") as response:
-                        if response.status == 200:
-                            return
-                await asyncio.sleep(0.2)
-        raise TimeoutError("server not ready")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
+class Server(ServerProcess):
+    """The soak's server: a `ServerProcess` whose log is searched for problems afterwards."""
 
     def log_problems(self) -> collections.Counter[str]:
         """Log lines at WARNING or above, by logger and message with digits and ids blurred."""
@@ -175,16 +132,6 @@ def proc_status(pid: int) -> tuple[float, int]:
             elif line.startswith("Threads:"):
                 threads = int(line.split()[1])
     return rss, threads
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry))
-    return found
 
 
 async def scrape(http: aiohttp.ClientSession, server: Server) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """What the benches feed the server and how they summarise it: varied sentences, LLM-like token streams,
-where the first synthesis unit is committed, percentiles and plain-text tables.
+where the first synthesis unit is committed, percentiles and plain-text tables; and the server itself,
+run as its own process (`ServerProcess`).
 
 The first-unit position comes from running the same pure `Segmenter` the server runs, with the server's
 settings, so a bench knows exactly which delta completes the first unit without guessing.
@@ -7,12 +8,22 @@ settings, so a bench knows exactly which delta completes the first unit without 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
+import os
 import random
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Sequence
 
+import aiohttp
 from voicewire.protocol.segmenter import Segmenter, SplitGranularity
+
+from tests.server import free_port
 
 SENTENCES: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog.",
@@ -95,3 +106,61 @@ def _cell(value: object) -> str:
     if isinstance(value, float):
         return "nan" if math.isnan(value) else f"{value:.2f}"
     return str(value)
+
+
+class ServerProcess:
+    """`python -m voicewire.realtime --no-auth` on a free loopback port, its log in a temporary file.
+
+    `extra` adds flags; `cpus` pins the server (and the engine processes it spawns) to those cores.
+    """
+
+    def __init__(self, engine: str = "hibari", max_sessions: int = 10000, extra: Sequence[str] = (),
+                 cpus: set[int] | None = None) -> None:
+        self.port = free_port()
+        self.log = tempfile.NamedTemporaryFile(prefix="voicewire-bench-", suffix=".log", delete=False)
+        command = [sys.executable, "-m", "voicewire.realtime", "--port", str(self.port), "--engine", engine,
+                   "--max-sessions", str(max_sessions), "--no-auth", "--log-level", "WARNING", *extra]
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        self.pid = self.proc.pid
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/audio/speech/stream"
+
+    async def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log.name}")
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"{self.http_url}/ready") as response:
+                        if response.status == 200:
+                            return
+                await asyncio.sleep(0.2)
+        raise TimeoutError("server not ready")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+def children(pid: int) -> list[int]:
+    """Process ids whose parent is `pid` (the engine's worker processes)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+    return found
