@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -39,7 +38,6 @@ class Scheduler:
         self._busy = 0
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
-        self.busy_seconds = 0.0
         self.granted = 0
 
     @property
@@ -55,11 +53,9 @@ class Scheduler:
     async def slot(self, deadline: float) -> AsyncIterator[None]:
         """Hold one engine slot for the body; `deadline` is a `time.monotonic()` value."""
         await self._acquire(deadline)
-        started = time.monotonic()
         try:
             yield
         finally:
-            self.busy_seconds += time.monotonic() - started
             self._release()
 
     async def _acquire(self, deadline: float) -> None:

@@ -244,19 +244,16 @@ class SessionRuntime:
             return
         self._apply(self.machine.tick(_now_ms()))
         if now - self._last_activity >= self.settings.idle_timeout_s:
-            if self._busy():
+            if self.busy:
                 self._last_activity = now
             else:
                 self._apply(self.machine.protocol_error(ProtocolError(
                     "idle_timeout", "Idle timeout: no message received", fatal=True)))
 
-    def _busy(self) -> bool:
-        return bool(self._outq or self._control)
-
     @property
     def busy(self) -> bool:
         """Audio or events still to send."""
-        return self._busy()
+        return bool(self._outq or self._control)
 
     async def shutdown(self, code: int, reason: str) -> None:
         """Server shutdown: cancel what is left (closing started units with their `audio.done`), give the
