@@ -48,7 +48,7 @@ import aiohttp
 import numpy as np
 from aiohttp import WSMsgType, web
 
-from bench.workload import SENTENCES, dump_json, percentile, table
+from bench.workload import SENTENCES, dump_json, percentile, stop_process, table
 from bench.workload import ServerProcess as Server
 from tests.server import free_port
 
@@ -118,12 +118,7 @@ class BaselineServer:
         return f"ws://127.0.0.1:{self.port}/v1/audio/speech/stream"
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc)
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
