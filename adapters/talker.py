@@ -412,7 +412,8 @@ class TalkerEngine:
             size, emitted = initial, 0
             while True:
                 lookahead = policy.lookahead_frames if emitted >= policy.lookahead_from_frame else 0
-                lengths.add(min(policy.left_context_frames, emitted) + size + lookahead)
+                pad = policy.pad_frames if lookahead < policy.lookahead_frames else 0
+                lengths.add(min(policy.left_context_frames, emitted) + size + lookahead + pad)
                 if size >= policy.steady_frames:
                     break
                 emitted += size

@@ -11,9 +11,12 @@ which samples of the decoded window to send:
   decoded with up to `left_context_frames` frames before it, so its first sample equals the whole-sequence
   decode. A chunk that starts at frame `lookahead_from_frame` or later also waits for `lookahead_frames`
   frames after it (by then the listener has audio buffered to cover the wait); an earlier chunk (the
-  first, whose wait would add to time to first audio) holds back its last `holdback_samples`, where the
-  missing future matters most, and the next chunk re-decodes and sends them. The final chunk is exact
-  (there is no future). Chunk boundaries are a pure function of frame counts, never of timing.
+  first, whose wait would add to time to first audio) is decoded with `pad_frames` copies of its last
+  frame standing in for the future it does not wait for. Speech is locally stationary, so the stand-in
+  keeps the step at the seam well below a typical sample-to-sample step, where decoding with no future at
+  all leaves a click. So every chunk carries exactly its frames (2048 samples each), the first chunk
+  exactly `initial_frames`. The final chunk is exact (there is no future). Chunk boundaries are a pure
+  function of frame counts, never of timing.
 
 `SnacCodec` loads a SNAC model from a local folder (`config.json` + `pytorch_model.bin`, the layout of
 hubertsiuzdak/snac_24khz) and decodes batches of equal-length windows; on a GPU in float16 through CUDA
@@ -56,24 +59,21 @@ class ChunkPolicy:
     left_context_frames: int = 3
     lookahead_frames: int = 1
     lookahead_from_frame: int = 2
-    holdback_samples: int = 512
+    pad_frames: int = 1
 
     def __post_init__(self) -> None:
         if self.initial_frames < 1 or self.steady_frames < 1:
             raise ValueError("chunk sizes must be at least 1 frame")
-        if self.left_context_frames < 0 or self.lookahead_frames < 0:
-            raise ValueError("context frames must be >= 0")
-        if not 0 <= self.holdback_samples < SAMPLES_PER_FRAME:
-            raise ValueError(f"holdback_samples must be in [0, {SAMPLES_PER_FRAME})")
-        if self.holdback_samples and not self.left_context_frames:
-            raise ValueError("holdback_samples needs left_context_frames >= 1 (the next chunk re-decodes them)")
+        if min(self.left_context_frames, self.lookahead_frames, self.pad_frames) < 0:
+            raise ValueError("context and pad frames must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeWindow:
-    """One chunk to decode: `frames` (shape (n, 7)) start at unit frame `first_frame`; of the decoded
-    window audio, samples `[emit_start, emit_end)` are the chunk's output. `chunk_frames` counts the new
-    frames the chunk covers (context excluded)."""
+    """One chunk to decode: `frames` (shape (n, 7)) start at unit frame `first_frame` (the last rows may be
+    copies of the last real frame, standing in for a future not waited for); of the decoded window audio,
+    samples `[emit_start, emit_end)` are the chunk's output. `chunk_frames` counts the new frames the chunk
+    covers (context excluded)."""
 
     first_frame: int
     frames: CodeFrames
@@ -97,7 +97,6 @@ class ChunkStreamer:
     _frames: list[CodeFrames] = field(default_factory=list)
     _total: int = 0
     _next: int = 0
-    _emitted: int = 0
     _chunks: int = 0
     _codes: CodeFrames | None = None
 
@@ -112,28 +111,28 @@ class ChunkStreamer:
             lookahead = self.policy.lookahead_frames if self._next >= self.policy.lookahead_from_frame else 0
             if self._total < self._next + size + lookahead:
                 return due
-            held = self.policy.holdback_samples if lookahead < self.policy.lookahead_frames else 0
-            due.append(self._window(self._next + size, lookahead, held))
+            pad = self.policy.pad_frames if lookahead < self.policy.lookahead_frames else 0
+            due.append(self._window(self._next + size, lookahead, pad))
 
     def finish(self) -> list[DecodeWindow]:
-        """The rest of the unit, exactly (no holdback): whatever frames no chunk covered yet."""
-        if self._emitted >= self._total * SAMPLES_PER_FRAME:
+        """The rest of the unit, exactly (nothing stands in for a future): the frames no chunk covered yet."""
+        if self._next >= self._total:
             return []
         return [self._window(self._total, 0, 0)]
 
-    def _window(self, end: int, lookahead: int, held: int) -> DecodeWindow:
+    def _window(self, end: int, lookahead: int, pad: int) -> DecodeWindow:
         start = self._next
         first = start - min(self.policy.left_context_frames, start)
         stop = end + lookahead
-        target = next((n for n in self.window_lengths if n >= stop - first), None)
-        if target is not None and stop - target >= 0:
-            first = min(first, stop - target)
-        origin = first * SAMPLES_PER_FRAME
-        emit_end = end * SAMPLES_PER_FRAME - held
-        window = DecodeWindow(first, self._all()[first:stop], self._emitted - origin,
-                              emit_end - origin, end - start)
+        target = next((n for n in self.window_lengths if n >= stop + pad - first), None)
+        if target is not None and stop + pad - target >= 0:
+            first = min(first, stop + pad - target)
+        frames = self._all()[first:stop]
+        if pad:
+            frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+        window = DecodeWindow(first, frames, (start - first) * SAMPLES_PER_FRAME, (end - first) * SAMPLES_PER_FRAME,
+                              end - start)
         self._next = end
-        self._emitted = emit_end
         self._chunks += 1
         return window
 

@@ -79,10 +79,10 @@ def binary_frames_per_unit(got: Received) -> list[list[int]]:
     return units
 
 
-def expected_chunks(frames: int, initial: int, holdback: int = 512) -> list[int]:
+def expected_chunks(frames: int, initial: int) -> list[int]:
     """Samples in each chunk of a unit under the default policy, derived by hand from the schedule:
-    chunk sizes initial, then as many frames as already sent (max 16); chunks starting before frame 2
-    hold back 512 samples, which the next chunk sends; the final chunk takes what is left."""
+    chunk sizes initial, then as many frames as already sent (max 16), each exactly its frames; the final
+    chunk takes what is left."""
     sizes, sent = [initial], initial
     while True:
         size = min(max(sent, 1), 16)
@@ -93,9 +93,7 @@ def expected_chunks(frames: int, initial: int, holdback: int = 512) -> list[int]
         sent += size
     if sent < frames:
         sizes.append(frames - sent)
-    held = [holdback if start < 2 and i < len(sizes) - 1 else 0
-            for i, start in enumerate([sum(sizes[:i]) for i in range(len(sizes))])]
-    return [n * F + (held[i - 1] if i else 0) - held[i] for i, n in enumerate(sizes)]
+    return [n * F for n in sizes]
 
 
 async def test_websocket_session_streams_ramped_chunks_in_unit_order(talker_server: ServerThread) -> None:
@@ -114,7 +112,7 @@ async def test_websocket_session_streams_ramped_chunks_in_unit_order(talker_serv
     units = binary_frames_per_unit(got)
     for sentence, chunks in zip(["Hello there.", "How are you today?"], units, strict=True):
         frames = engine(talker_server).unit_frames(sentence)
-        assert chunks[0] == 2 * F - 512, "the first chunk holds the 2 configured frames (less the holdback)"
+        assert chunks[0] == 2 * F, "the first chunk holds exactly the 2 configured frames"
         assert chunks == expected_chunks(frames, initial=2)
         assert sum(chunks) == frames * F
     done = got.of("session.done")[0]

@@ -73,10 +73,13 @@ def test_schedule_ramps_from_the_first_chunk_and_covers_every_sample_once() -> N
     one_by_one = stream_windows(policy, frames, [1] * 100)
     assert [w.chunk_frames for w in one_by_one] == [1, 1, 2, 4, 8, 16, 16, 16, 16, 16, 4]
     emitted = [w.emit_end - w.emit_start for w in one_by_one]
-    held = policy.holdback_samples
-    # Chunks 0 and 1 start before `lookahead_from_frame`, so each is decoded without lookahead and holds back
-    # its last `held` samples; chunk 2 re-decodes them with context. The final chunk is exact.
-    assert emitted == [F - held, F, 2 * F + held, 4 * F, 8 * F, *[16 * F] * 5, 4 * F]
+    assert emitted == [n * F for n in [1, 1, 2, 4, 8, 16, 16, 16, 16, 16, 4]], "every chunk is exactly its frames"
+    # Chunks 0 and 1 start before `lookahead_from_frame`: their window ends with a copy of their last frame,
+    # standing in for the future they do not wait for. Later ones wait for 1 real frame of lookahead.
+    for window in one_by_one[:2]:
+        assert np.array_equal(window.frames[-1], window.frames[-2])
+        assert len(window.frames) == window.emit_end // F + policy.pad_frames
+    assert [len(w.frames) - w.emit_end // F for w in one_by_one] == [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0]
     bursty = stream_windows(policy, frames, [3, 1, 30, 2, 64])
     assert [(w.first_frame, w.emit_start, w.emit_end, len(w.frames)) for w in bursty] == \
         [(w.first_frame, w.emit_start, w.emit_end, len(w.frames)) for w in one_by_one], "timing never matters"
@@ -85,13 +88,13 @@ def test_schedule_ramps_from_the_first_chunk_and_covers_every_sample_once() -> N
 def test_first_chunk_size_follows_the_request() -> None:
     windows = stream_windows(ChunkPolicy(), random_frames(30), [30], initial=4)
     assert [w.chunk_frames for w in windows] == [4, 4, 8, 14]
-    assert windows[0].emit_end - windows[0].emit_start == 4 * F - 512
+    assert windows[0].emit_end - windows[0].emit_start == 4 * F
 
 
 def test_chunked_decoding_equals_whole_sequence_decoding(codec: SnacCodec) -> None:
     frames = random_frames(48, seed=1)
     whole = codec.decode(frames[None])[0]
-    exact = ChunkPolicy(left_context_frames=3, lookahead_frames=3, lookahead_from_frame=0, holdback_samples=0)
+    exact = ChunkPolicy(left_context_frames=3, lookahead_frames=3, lookahead_from_frame=0)
     exact_windows = [w for w in stream_windows(exact, frames, [1] * 48) if w.chunk_frames]
     chunked = decode_chunked(codec, exact_windows)
     assert len(chunked) == len(whole)
@@ -102,6 +105,26 @@ def test_chunked_decoding_equals_whole_sequence_decoding(codec: SnacCodec) -> No
     assert np.linalg.norm(default - whole) / np.linalg.norm(whole) < 2e-2
     steady_from = 8 * F  # from the third chunk on, every chunk has its lookahead frame
     assert np.abs(default[steady_from:] - whole[steady_from:]).max() < 2e-2
+
+
+@pytest.mark.parametrize("initial", [1, 2])
+def test_a_stand_in_future_keeps_the_first_seam_smooth(codec: SnacCodec, initial: int) -> None:
+    """The first chunk does not wait for the frame after it (that would cost time to first audio). Decoded
+    with nothing after it, its last samples jump away from the whole-sequence decode, a click where the next
+    chunk starts; a copy of its last frame in place of the future keeps that step small."""
+    frames = random_frames(12, seed=initial)
+    whole = codec.decode(frames[None])[0]
+    seam = initial * F
+
+    def seam_step(policy: ChunkPolicy) -> float:
+        audio = decode_chunked(codec, stream_windows(policy, frames, [1] * 12, initial=initial))
+        assert len(audio) == len(whole)
+        return float(abs(audio[seam - 1] - whole[seam - 1]))
+
+    padded, bare = seam_step(ChunkPolicy()), seam_step(ChunkPolicy(pad_frames=0))
+    typical_step = float(np.abs(np.diff(whole)).mean())
+    assert bare > typical_step, "with no future, the seam clicks"
+    assert padded < bare / 4 and padded < typical_step / 2
 
 
 def test_chunks_without_left_context_click_at_the_seams(codec: SnacCodec) -> None:
