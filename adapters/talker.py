@@ -403,7 +403,7 @@ class TalkerEngine:
         return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._record_step)])
 
     def _window_lengths(self) -> list[int]:
-        """The window lengths of the ramp for first chunks of 1 or 2 frames and the configured size (1, 2, 5,
+        """The window lengths of the ramp for first chunks of 1 or 2 frames and the configured size (2, 3, 5,
         8, 12, 20 frames by default): the codec's CUDA graph shapes. Other windows (a unit's last chunk)
         take more left context to reach one of these where the unit has the frames."""
         policy = self.config.chunks
