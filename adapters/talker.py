@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
 
+import numpy as np
 from voicewire.adapters.base import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest
 from voicewire.adapters.talker_codec import ChunkPolicy, ChunkStreamer, CodecBatcher, CodecStats, SnacCodec
 from voicewire.adapters.talker_layout import (
@@ -403,21 +404,19 @@ class TalkerEngine:
         return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._record_step)])
 
     def _window_lengths(self) -> list[int]:
-        """The window lengths of the ramp for first chunks of 1 or 2 frames and the configured size (2, 3, 5,
-        8, 12, 20 frames by default): the codec's CUDA graph shapes. Other windows (a unit's last chunk)
-        take more left context to reach one of these where the unit has the frames."""
+        """The window lengths of the ramp, up to its steady size, for first chunks of 1 or 2 frames and the
+        configured size (2 to 20 frames by default): the codec's CUDA graph shapes. Other windows (a unit's
+        last chunk) take more left context to reach one of these where the unit has the frames."""
         policy = self.config.chunks
         lengths: set[int] = set()
+        frame = np.zeros((1, CODES_PER_FRAME), np.int64)
         for initial in {1, 2, policy.initial_frames}:
-            size, emitted = initial, 0
+            streamer = ChunkStreamer(policy, initial)
             while True:
-                lookahead = policy.lookahead_frames if emitted >= policy.lookahead_from_frame else 0
-                pad = policy.pad_frames if lookahead < policy.lookahead_frames else 0
-                lengths.add(min(policy.left_context_frames, emitted) + size + lookahead + pad)
-                if size >= policy.steady_frames:
+                windows = streamer.push(frame)
+                lengths.update(len(w.frames) for w in windows)
+                if any(w.chunk_frames >= policy.steady_frames for w in windows):
                     break
-                emitted += size
-                size = min(max(emitted, 1), policy.steady_frames)
         return sorted(lengths)
 
     async def _warm_up(self) -> None:
@@ -466,8 +465,6 @@ def _option_int(request: SynthesisRequest, name: str) -> int | None:
 
 
 def _warm_codes(frames: int) -> Any:
-    import numpy as np
-
     return np.random.default_rng(frames).integers(0, 4096, size=(1, frames, CODES_PER_FRAME), dtype=np.int64)
 
 

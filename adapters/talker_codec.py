@@ -3,10 +3,14 @@
 `ChunkStreamer` (pure) decides, from the frames a talker has produced so far, which frames to decode and
 which samples of the decoded window to send:
 
-- **Ramped schedule.** The first chunk holds `initial_frames` frames; every later chunk holds as many
-  frames as the listener already has (at least 1, at most `steady_frames`): 1, 1, 2, 4, 8, 16, 16, ...
-  So a chunk's frames take no longer to generate than the audio already sent takes to play, whenever the
-  talker runs at least about 1.3x real time: low time to first audio without a stall after it.
+- **Ramped schedule.** The first chunk holds `initial_frames` frames; every later chunk holds `growth`
+  times the frames already sent (rounded down; at least 1, at most `steady_frames`): with the default 0.5,
+  1, 1, 1, 1, 2, 3, 4, 6, 9, 14, 16, 16, ... A chunk's frames must be generated while the audio already
+  sent plays: the next chunk needs `growth` x N frames while the listener holds N frames less what played
+  during the ramp, so the ramp is stall-free while the talker runs at a real-time factor up to about
+  1 / (1 + growth): 0.66 for 0.5 (doubling, growth 1.0, allows only 0.5). Past the ramp, any real-time
+  factor under 1 keeps the buffer growing. Low time to first audio without a stall after it, with room
+  for a talker slowed by a large batch.
 - **Seams.** SNAC's decoder is not causal: a sample depends on about 3 frames on each side. Every chunk is
   decoded with up to `left_context_frames` frames before it, so its first sample equals the whole-sequence
   decode. A chunk that starts at frame `lookahead_from_frame` or later also waits for `lookahead_frames`
@@ -33,6 +37,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -56,6 +61,7 @@ class ChunkPolicy:
 
     initial_frames: int = 1
     steady_frames: int = 16
+    growth: float = 0.5
     left_context_frames: int = 3
     lookahead_frames: int = 1
     lookahead_from_frame: int = 2
@@ -64,8 +70,14 @@ class ChunkPolicy:
     def __post_init__(self) -> None:
         if self.initial_frames < 1 or self.steady_frames < 1:
             raise ValueError("chunk sizes must be at least 1 frame")
+        if not 0 < self.growth <= 1:
+            raise ValueError("growth must be in (0, 1]")
         if min(self.left_context_frames, self.lookahead_frames, self.pad_frames) < 0:
             raise ValueError("context and pad frames must be >= 0")
+
+    def next_size(self, sent: int) -> int:
+        """Frames in the chunk after the first `sent` frames (the ramp; see the module doc)."""
+        return min(max(math.floor(sent * self.growth), 1), self.steady_frames)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +119,7 @@ class ChunkStreamer:
             self._codes = None
         due: list[DecodeWindow] = []
         while True:
-            size = self.initial_frames if self._chunks == 0 else min(max(self._next, 1), self.policy.steady_frames)
+            size = self.initial_frames if self._chunks == 0 else self.policy.next_size(self._next)
             lookahead = self.policy.lookahead_frames if self._next >= self.policy.lookahead_from_frame else 0
             if self._total < self._next + size + lookahead:
                 return due

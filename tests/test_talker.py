@@ -81,11 +81,11 @@ def binary_frames_per_unit(got: Received) -> list[list[int]]:
 
 def expected_chunks(frames: int, initial: int) -> list[int]:
     """Samples in each chunk of a unit under the default policy, derived by hand from the schedule:
-    chunk sizes initial, then as many frames as already sent (max 16), each exactly its frames; the final
-    chunk takes what is left."""
+    chunk sizes initial, then half the frames already sent (at least 1, at most 16), each exactly its
+    frames; the final chunk takes what is left."""
     sizes, sent = [initial], initial
     while True:
-        size = min(max(sent, 1), 16)
+        size = min(max(sent // 2, 1), 16)
         lookahead = 1 if sent >= 2 else 0
         if sent + size + lookahead > frames:
             break
