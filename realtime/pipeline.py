@@ -1,16 +1,26 @@
-"""One unit through the shared path: scheduler slot, engine, renderer. Used by WebSocket and REST alike."""
+"""One unit through the shared path: scheduler slot, engine, renderer. Used by WebSocket and REST alike.
+
+`UnitRun.start` runs a unit in its own task and collects its rendered pieces in order; both the WebSocket
+writer and a REST response keep a few of them in flight (`Settings.max_units_in_flight`) and send the
+oldest one's pieces as they come, so unit N+1 synthesizes while unit N streams.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from voicewire.adapters.base import EngineInfo, SynthesisRequest
 from voicewire.protocol.messages import EffectiveConfig
 from voicewire.protocol.render import RenderedPiece, RenderPlan, UnitRenderer, plan_speed
 from voicewire.realtime.context import ServerContext
+
+SECONDS_PER_CHAR_ESTIMATE = 0.065
+"""Rough speech duration of one character, used to estimate playback deadlines of units not yet heard."""
 
 
 class UnitTimeout(Exception):
@@ -65,3 +75,40 @@ async def synthesize_unit(ctx: ServerContext, request: SynthesisRequest, rendere
             ctx.metrics.engine_busy.inc(engine_s)
     sink(renderer.finish())
     return engine_s
+
+
+@dataclass(slots=True, eq=False)
+class UnitRun:
+    """One unit synthesizing in its own task (see `start`). Its rendered pieces collect in `outbox`, in
+    order, for one consumer to take; `done` turns true once the unit finished, failed or was cancelled;
+    `error` is what a failed unit raised (`UnitTimeout` past its deadline); `engine_s` the engine seconds
+    it spent. Memory: the pieces not yet taken (at most one unit's audio)."""
+
+    task: asyncio.Task[None] = field(init=False)
+    outbox: deque[RenderedPiece] = field(default_factory=deque)
+    done: bool = False
+    error: Exception | None = None
+    engine_s: float = 0.0
+
+    @classmethod
+    def start(cls, ctx: ServerContext, request: SynthesisRequest, renderer: UnitRenderer, deadline: float,
+              wake: Callable[[], None]) -> UnitRun:
+        """Start `request` through `synthesize_unit`; `wake()` is called after every piece and once at the
+        end. Cancelling `task` cancels the unit (the engine iterator is closed)."""
+        run = cls()
+
+        def sink(piece: RenderedPiece) -> None:
+            run.outbox.append(piece)
+            wake()
+
+        async def body() -> None:
+            try:
+                run.engine_s = await synthesize_unit(ctx, request, renderer, deadline, sink)
+            except Exception as exc:
+                run.error = exc
+            finally:
+                run.done = True
+                wake()
+
+        run.task = asyncio.create_task(body(), name=request.request_id)
+        return run

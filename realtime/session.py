@@ -55,30 +55,28 @@ from voicewire.protocol.session import (
     Unit,
 )
 from voicewire.realtime.context import ServerContext
-from voicewire.realtime.pipeline import UnitTimeout, render_plan, synthesis_request, synthesize_unit
+from voicewire.realtime.pipeline import (
+    SECONDS_PER_CHAR_ESTIMATE,
+    UnitRun,
+    UnitTimeout,
+    render_plan,
+    synthesis_request,
+)
 
 log = logging.getLogger("voicewire.session")
 
 CLOSE_INTERNAL_ERROR = 1011
-SECONDS_PER_CHAR_ESTIMATE = 0.065
-"""Rough speech duration of one character, used to estimate playback deadlines of unsent units."""
 
 
 @dataclass(slots=True, eq=False)
 class UnitJob:
-    """One unit from commit to `audio.done`: its synthesis task and its outbox of rendered audio."""
+    """One unit from commit to `audio.done`: its synthesis (`run`, made when it starts synthesizing; a
+    renderer's resampler is not free, so queued units hold none) and what of it was sent."""
 
     unit: Unit
     estimate_s: float
     """Expected audio duration, for the playback deadlines of the units behind it."""
-    renderer: UnitRenderer | None = None
-    """Made when the unit starts synthesizing (a resampler is not free; queued units hold none)."""
-    task: asyncio.Task[None] | None = None
-    outbox: deque[RenderedPiece] = field(default_factory=deque)
-    finished: bool = False
-    failure: tuple[str, str] | None = None
-    """(error code, reason) when the unit failed."""
-    engine_s: float = 0.0
+    run: UnitRun | None = None
     started_sent: bool = False
     bytes_sent: int = 0
     samples_sent: int = 0
@@ -306,13 +304,10 @@ class SessionRuntime:
         for item in self._outq:
             if not isinstance(item, UnitJob):
                 continue
-            if item.task is None:
+            if item.run is None:
                 if in_flight >= self.settings.max_units_in_flight:
                     return
-                item.renderer = UnitRenderer(render_plan(item.unit.config, self.ctx.engine.info))
-                item.task = asyncio.create_task(self._synthesize(item, item.renderer))
-                self._unit_tasks.add(item.task)
-                item.task.add_done_callback(self._unit_tasks.discard)
+                self._start(item)
             in_flight += 1
 
     def _cancel_utterance(self, index: int, context_id: str | None) -> None:
@@ -332,8 +327,8 @@ class SessionRuntime:
                 continue
             if isinstance(item, UnitJob):
                 self.ctx.metrics.units.labels("cancelled").inc()
-                if item.task is not None:
-                    item.task.cancel()
+                if item.run is not None:
+                    item.run.task.cancel()
                 if item.started_sent:
                     self._emit(AudioDone(
                         utterance_index=owner, sentence_index=item.unit.sentence_index,
@@ -342,8 +337,8 @@ class SessionRuntime:
 
     def _cancel_everything(self) -> None:
         for item in self._outq:
-            if isinstance(item, UnitJob) and item.task is not None:
-                item.task.cancel()
+            if isinstance(item, UnitJob) and item.run is not None:
+                item.run.task.cancel()
         self._outq.clear()
 
     async def _await_unit_tasks(self) -> None:
@@ -352,29 +347,16 @@ class SessionRuntime:
 
     # -- synthesis ------------------------------------------------------------------------------
 
-    async def _synthesize(self, job: UnitJob, renderer: UnitRenderer) -> None:
+    def _start(self, job: UnitJob) -> None:
         unit = job.unit
+        renderer = UnitRenderer(render_plan(unit.config, self.ctx.engine.info))
         request = synthesis_request(f"{self.session_id}-{unit.utterance_index}-{unit.sentence_index}",
                                     unit.text, unit.config, renderer.plan)
-
-        def sink(piece: RenderedPiece) -> None:
-            job.outbox.append(piece)
-            self._wake.set()
-
-        try:
-            self.engine_requests_started += 1
-            job.engine_s = await synthesize_unit(self.ctx, request, renderer, self._deadline(job), sink)
-        except asyncio.CancelledError:
-            raise
-        except UnitTimeout as exc:
-            log.warning("unit %s: %s", request.request_id, exc)
-            job.failure = ("unit_timeout", str(exc))
-        except Exception as exc:
-            log.exception("unit %s failed", request.request_id)
-            job.failure = ("generation_failed", str(exc) or type(exc).__name__)
-        finally:
-            job.finished = True
-            self._wake.set()
+        run = job.run = UnitRun.start(self.ctx, request, renderer, self._deadline(job), self._wake.set)
+        self.engine_requests_started += 1
+        self._unit_tasks.add(run.task)
+        run.task.add_done_callback(self._unit_tasks.discard)
+        run.task.add_done_callback(lambda _: _log_failure(run))
 
     def _deadline(self, job: UnitJob) -> float:
         """When the listener runs dry without this unit (monotonic seconds): once the audio already sent
@@ -425,8 +407,9 @@ class SessionRuntime:
                 word_timestamps=config.word_timestamps, sample_rate=config.sample_rate, channels=1,
                 context_id=unit.context_id))
             return True
-        if job.outbox:
-            piece = job.outbox.popleft()
+        run = job.run
+        if run is not None and run.outbox:
+            piece = run.outbox.popleft()
             job.unit_words.extend(piece.words)
             if piece.words and config.word_timestamps and config.audio_frames == "binary":
                 words = place_words(piece.words, unit.text, unit.char_start, job.offset_ms)
@@ -437,12 +420,13 @@ class SessionRuntime:
             if piece.data:
                 await self._send_audio(job, stats, piece)
             return True
-        if not job.finished:
+        if run is None or not run.done:
             return False
         self._outq.popleft()
         self._pump()
-        if job.failure is not None:
-            code, reason = job.failure
+        failure = _failure(run)
+        if failure is not None:
+            code, reason = failure
             self.ctx.metrics.units.labels("failed").inc()
             self.ctx.metrics.errors.labels(code).inc()
             partial = job.bytes_sent > 0
@@ -460,10 +444,10 @@ class SessionRuntime:
                     chunk_id=job.chunk_id, chunk_start_ms=0, chunk_end_ms=round(job.sent_ms),
                     sample_rate=config.sample_rate, channels=1, audio_b64="",
                     timestamps=place_words(job.unit_words, unit.text, unit.char_start, 0.0)))
-        stats.engine_s += job.engine_s
+        stats.engine_s += run.engine_s
         await self._send_event(AudioDone(
             utterance_index=unit.utterance_index, sentence_index=unit.sentence_index,
-            total_bytes=job.bytes_sent, error=job.failure is not None, audio_ms=_ms(job.sent_ms)))
+            total_bytes=job.bytes_sent, error=failure is not None, audio_ms=_ms(job.sent_ms)))
         return True
 
     async def _send_audio(self, job: UnitJob, stats: UtteranceStats, piece: RenderedPiece) -> None:
@@ -525,6 +509,25 @@ class SessionRuntime:
             self._cancel_everything()
             self._control.clear()
         self._last_activity = time.monotonic()
+
+
+def _failure(run: UnitRun) -> tuple[str, str] | None:
+    """(error code, reason) of a failed unit; None when it succeeded."""
+    exc = run.error
+    if exc is None:
+        return None
+    if isinstance(exc, UnitTimeout):
+        return "unit_timeout", str(exc)
+    return "generation_failed", str(exc) or type(exc).__name__
+
+
+def _log_failure(run: UnitRun) -> None:
+    """Log a unit's failure when it happens (the writer may never get to report it: the session can close
+    first)."""
+    if isinstance(run.error, UnitTimeout):
+        log.warning("unit %s: %s", run.task.get_name(), run.error)
+    elif run.error is not None:
+        log.error("unit %s failed", run.task.get_name(), exc_info=run.error)
 
 
 def _ms(value: float) -> float:

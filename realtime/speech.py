@@ -6,7 +6,7 @@
 the input into sentence units with the `Segmenter`.
 
 `SpeechSynthesis` runs those units through `realtime.pipeline` (`render_plan`, `synthesis_request`,
-`synthesize_unit`), the same scheduler slots and engine as WebSocket sessions: unit N+1 synthesizes while
+`UnitRun`), the same scheduler slots and engine as WebSocket sessions: unit N+1 synthesizes while
 unit N streams, at most `max_units_in_flight` units are synthesizing or buffered at once, and audio leaves
 in text order as soon as the engine yields it. Units render to s16 PCM at the output rate (speed beyond
 the engine's native range is a pitch-preserving time stretch, in `UnitRenderer`), and a streaming encoder
@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
@@ -42,8 +42,7 @@ from voicewire.protocol.session import ServerFacts, resolve_config
 from voicewire.realtime.context import ServerContext
 from voicewire.realtime.encoders import STREAMING_FORMATS, RestFormat, make_encoder
 from voicewire.realtime.openai_errors import OpenAIError, bad_request, from_protocol_error
-from voicewire.realtime.pipeline import render_plan, synthesis_request, synthesize_unit
-from voicewire.realtime.session import SECONDS_PER_CHAR_ESTIMATE
+from voicewire.realtime.pipeline import SECONDS_PER_CHAR_ESTIMATE, UnitRun, render_plan, synthesis_request
 
 Delivery = Literal["stream", "sse", "whole"]
 
@@ -195,13 +194,6 @@ def split_units(text: str, max_unit_chars: int) -> tuple[TextUnit, ...]:
     return tuple(units)
 
 
-@dataclass(slots=True, eq=False)
-class _UnitJob:
-    unit: TextUnit
-    task: asyncio.Task[float]
-    pieces: asyncio.Queue[RenderedPiece | None]
-
-
 @dataclass(slots=True)
 class Usage:
     """OpenAI's speech usage: input tokens are characters of `input` plus `instructions` (the unit
@@ -271,45 +263,39 @@ class SpeechSynthesis:
         """Rendered pieces in text order with their unit and the unit's offset (ms) in the output."""
         units = self.plan.units
         cap = self.ctx.settings.max_units_in_flight
-        jobs: deque[_UnitJob] = deque()
+        metrics = self.ctx.metrics
+        wake = asyncio.Event()
+        runs: deque[tuple[TextUnit, UnitRun]] = deque()
         started = 0
         estimate_s = 0.0
         try:
-            while jobs or started < len(units):
-                while started < len(units) and len(jobs) < cap:
-                    jobs.append(self._start(units[started], self.started + estimate_s))
+            while runs or started < len(units):
+                while started < len(units) and len(runs) < cap:
+                    runs.append((units[started], self._start(units[started], self.started + estimate_s, wake.set)))
                     estimate_s += len(units[started].text) * SECONDS_PER_CHAR_ESTIMATE / self.plan.config.speed
                     started += 1
-                job = jobs[0]
+                unit, run = runs[0]
                 offset_ms = self.samples * 1000.0 / self.sample_rate
-                while (piece := await job.pieces.get()) is not None:
-                    yield job.unit, offset_ms, piece
-                jobs.popleft()
-                self.engine_s += await job.task
+                while run.outbox or not run.done:
+                    if run.outbox:
+                        yield unit, offset_ms, run.outbox.popleft()
+                    else:
+                        wake.clear()
+                        await wake.wait()
+                runs.popleft()
+                if run.error is not None:
+                    metrics.units.labels("failed").inc()
+                    raise run.error
+                metrics.units.labels("ok").inc()
+                self.engine_s += run.engine_s
         finally:
-            for job in jobs:
-                job.task.cancel()
-            await asyncio.gather(*(job.task for job in jobs), return_exceptions=True)
+            for _, run in runs:
+                run.task.cancel()
+                metrics.units.labels("cancelled").inc()
+            await asyncio.gather(*(run.task for _, run in runs), return_exceptions=True)
 
-    def _start(self, unit: TextUnit, deadline: float) -> _UnitJob:
+    def _start(self, unit: TextUnit, deadline: float, wake: Callable[[], None]) -> UnitRun:
         config = self.plan.config
         renderer = UnitRenderer(render_plan(config, self.ctx.engine.info, stream=True))
         request = synthesis_request(f"{self.request_id}-{unit.index}", unit.text, config, renderer.plan)
-        pieces: asyncio.Queue[RenderedPiece | None] = asyncio.Queue()
-        metrics = self.ctx.metrics
-
-        async def run() -> float:
-            try:
-                engine_s = await synthesize_unit(self.ctx, request, renderer, deadline, pieces.put_nowait)
-            except asyncio.CancelledError:
-                metrics.units.labels("cancelled").inc()
-                raise
-            except Exception:
-                metrics.units.labels("failed").inc()
-                raise
-            finally:
-                pieces.put_nowait(None)
-            metrics.units.labels("ok").inc()
-            return engine_s
-
-        return _UnitJob(unit, asyncio.create_task(run(), name=request.request_id), pieces)
+        return UnitRun.start(self.ctx, request, renderer, deadline, wake)
