@@ -333,7 +333,7 @@ class TalkerEngine:
                         trace.setdefault("first_output", time.perf_counter())
                     continue
                 count("frames", len(frames))
-                for window in streamer.push(frames):
+                for window in streamer.push(frames, final=finished or parser.stopped):
                     times: list[float] | None = None
                     if played_from is None:
                         deadline = time.perf_counter()

@@ -19,8 +19,10 @@ which samples of the decoded window to send:
   frame standing in for the future it does not wait for. Speech is locally stationary, so the stand-in
   keeps the step at the seam well below a typical sample-to-sample step, where decoding with no future at
   all leaves a click. So every chunk carries exactly its frames (2048 samples each), the first chunk
-  exactly `initial_frames`. The final chunk is exact (there is no future). Chunk boundaries are a pure
-  function of frame counts, never of timing.
+  exactly `initial_frames`. The final chunk is exact (there is no future), and so is an early chunk that
+  ends the unit when the frames that end it arrive marked `final`; one cut before the unit's end was known
+  (a unit of 1-2 frames, or of exactly a per-session first chunk) ends on the stand-in. Chunk boundaries
+  are a pure function of frame counts, never of timing.
 
 `SnacCodec` loads a SNAC model from a local folder (`config.json` + `pytorch_model.bin`, the layout of
 hubertsiuzdak/snac_24khz) and decodes batches of equal-length windows; on a GPU in float16 through CUDA
@@ -112,7 +114,9 @@ class ChunkStreamer:
     _chunks: int = 0
     _codes: CodeFrames | None = None
 
-    def push(self, frames: CodeFrames) -> list[DecodeWindow]:
+    def push(self, frames: CodeFrames, final: bool = False) -> list[DecodeWindow]:
+        """Add `frames`; `final` says no frame follows them (a chunk ending the unit then needs no stand-in
+        future). Call `finish()` after the last push either way."""
         if len(frames):
             self._frames.append(frames)
             self._total += len(frames)
@@ -123,7 +127,8 @@ class ChunkStreamer:
             lookahead = self.policy.lookahead_frames if self._next >= self.policy.lookahead_from_frame else 0
             if self._total < self._next + size + lookahead:
                 return due
-            pad = self.policy.pad_frames if lookahead < self.policy.lookahead_frames else 0
+            ends_unit = final and self._next + size == self._total
+            pad = self.policy.pad_frames if lookahead < self.policy.lookahead_frames and not ends_unit else 0
             due.append(self._window(self._next + size, lookahead, pad))
 
     def finish(self) -> list[DecodeWindow]:

@@ -80,9 +80,10 @@ async def synthesize_unit(ctx: ServerContext, request: SynthesisRequest, rendere
 @dataclass(slots=True, eq=False)
 class UnitRun:
     """One unit synthesizing in its own task (see `start`). Its rendered pieces collect in `outbox`, in
-    order, for one consumer to take; `done` turns true once the unit finished, failed or was cancelled;
-    `error` is what a failed unit raised (`UnitTimeout` past its deadline); `engine_s` the engine seconds
-    it spent. Memory: the pieces not yet taken (at most one unit's audio)."""
+    order, for one consumer to take; `done` turns true once the unit finished (`error` None) or failed
+    (`error` is what it raised: `UnitTimeout` past its deadline, or the engine's exception); `engine_s` the
+    engine seconds it spent. Cancelling `task` is for whoever drops the run: a run cancelled before its
+    task first ran never turns `done`. Memory: the pieces not yet taken (at most one unit's audio)."""
 
     task: asyncio.Task[None] = field(init=False)
     outbox: deque[RenderedPiece] = field(default_factory=deque)
@@ -93,8 +94,8 @@ class UnitRun:
     @classmethod
     def start(cls, ctx: ServerContext, request: SynthesisRequest, renderer: UnitRenderer, deadline: float,
               wake: Callable[[], None]) -> UnitRun:
-        """Start `request` through `synthesize_unit`; `wake()` is called after every piece and once at the
-        end. Cancelling `task` cancels the unit (the engine iterator is closed)."""
+        """Start `request` through `synthesize_unit`; `wake()` is called after every piece and once when the
+        unit is done. Cancelling `task` cancels the unit (the engine iterator is closed)."""
         run = cls()
 
         def sink(piece: RenderedPiece) -> None:

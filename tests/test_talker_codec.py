@@ -128,6 +128,22 @@ def test_a_stand_in_future_keeps_the_first_seam_smooth(codec: SnacCodec, initial
     assert padded < bare / 4 and padded < typical_step / 2
 
 
+def test_a_unit_that_ends_in_its_first_chunk_is_exact_when_its_end_is_known(codec: SnacCodec) -> None:
+    """A 4-frame unit with a 4-frame first chunk: if its frames arrive marked final, nothing stands in for
+    a future that does not exist, and the chunk equals the whole-sequence decode; cut before its end was
+    known, it carries the stand-in."""
+    frames = random_frames(4, seed=5)
+    whole = codec.decode(frames[None])[0]
+    final = ChunkStreamer(ChunkPolicy(), 4)
+    windows = final.push(frames, final=True) + final.finish()
+    assert [len(w.frames) for w in windows] == [4]
+    assert np.abs(decode_chunked(codec, windows) - whole).max() < 1e-5
+    early = ChunkStreamer(ChunkPolicy(), 4)
+    windows = early.push(frames) + early.finish()
+    assert [len(w.frames) for w in windows] == [5]
+    assert len(decode_chunked(codec, windows)) == len(whole)
+
+
 def test_chunks_without_left_context_click_at_the_seams(codec: SnacCodec) -> None:
     """The reason for the context: decoding chunks on their own leaves a large jump at every seam."""
     frames = random_frames(16, seed=2)
