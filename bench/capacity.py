@@ -68,6 +68,11 @@ class Reply:
     underruns: int
     stall_s: float
     units: int
+    underrun_units: list[int]
+    """For each underrun, the index in the reply of the unit whose audio came late (0 = the first)."""
+    margins: list[tuple[int, float]]
+    """For each unit after the first: (its index, seconds of audio still to play when its first frame
+    arrived; negative = it came late)."""
     plays_from: float
     plays_until: float
     """Monotonic times the reply's playback starts and ends (stalls included)."""
@@ -106,6 +111,22 @@ class Trial:
     @property
     def underruns(self) -> int:
         return sum(r.underruns for r in self.replies)
+
+    def margins(self) -> str:
+        """p1 / p5 / p50 margin (ms of audio left when a unit's first frame arrived) for the second unit of
+        a reply and for later ones."""
+        second = [m * 1000.0 for r in self.replies for u, m in r.margins if u == 1]
+        later = [m * 1000.0 for r in self.replies for u, m in r.margins if u > 1]
+        return "  ".join(f"{name} {percentile(v, 1):.0f}/{percentile(v, 5):.0f}/{percentile(v, 50):.0f}"
+                         for name, v in (("#1", second), ("#2+", later)) if v)
+
+    def underruns_by_unit(self) -> str:
+        """Underruns counted by the index in its reply of the unit that came late: "#1:5,#2:1"."""
+        counts: dict[int, int] = {}
+        for reply in self.replies:
+            for unit in reply.underrun_units:
+                counts[unit] = counts.get(unit, 0) + 1
+        return ",".join(f"#{unit}:{count}" for unit, count in sorted(counts.items()))
 
     @property
     def passed(self) -> bool:
@@ -212,17 +233,20 @@ class Session:
             await self.ws.send(json.dumps({"type": "input.done"}))
 
         sender = asyncio.create_task(send_text())
-        frames: list[tuple[float, int]] = []
+        frames: list[tuple[float, int, int]] = []
         units = 0
+        started = -1
         try:
             while True:
                 frame = await self.ws.recv()
                 if isinstance(frame, bytes):
-                    frames.append((time.monotonic(), len(frame)))
+                    frames.append((time.monotonic(), len(frame), started))
                     continue
                 event = json.loads(frame)
                 kind = event["type"]
-                if kind == "audio.done":
+                if kind == "audio.start":
+                    started += 1
+                elif kind == "audio.done":
                     units += 1
                 elif kind == "session.done":
                     break
@@ -236,23 +260,29 @@ class Session:
         if not frames:
             self.trial.errors.append("reply without audio")
             return None, 0.0
-        underruns, stall, plays_until = _playback(frames)
+        late, margins, stall, plays_until = _playback(frames)
         ttfa = frames[0][0] - committed_at[0]
-        audio_s = sum(n for _, n in frames) / BYTES_PER_SECOND
-        return Reply(ttfa, audio_s, underruns, stall, units, frames[0][0], plays_until), plays_until
+        audio_s = sum(n for _, n, _ in frames) / BYTES_PER_SECOND
+        return Reply(ttfa, audio_s, len(late), stall, units, late, margins, frames[0][0], plays_until), plays_until
 
 
-def _playback(frames: list[tuple[float, int]]) -> tuple[int, float, float]:
-    """Real-time playback from the first frame: (underruns, stall seconds, when playback ends)."""
-    underruns = 0
+def _playback(frames: list[tuple[float, int, int]]) -> tuple[list[int], list[tuple[int, float]], float, float]:
+    """Real-time playback from the first frame: (the unit of each underrun, each later unit's margin,
+    stall seconds, when playback ends)."""
+    late: list[int] = []
+    margins: list[tuple[int, float]] = []
     stall = 0.0
     plays_until = frames[0][0]
-    for index, (arrived, size) in enumerate(frames):
+    previous = frames[0][2]
+    for index, (arrived, size, unit) in enumerate(frames):
+        if unit != previous:
+            margins.append((unit, plays_until - arrived))
+            previous = unit
         if index and arrived > plays_until:
-            underruns += 1
+            late.append(unit)
             stall += arrived - plays_until
         plays_until = max(plays_until, arrived) + size / BYTES_PER_SECOND
-    return underruns, stall, plays_until
+    return late, margins, stall, plays_until
 
 
 # -- trials -----------------------------------------------------------------------------------------------
@@ -402,7 +432,9 @@ async def search(args: argparse.Namespace) -> SearchResult:
                   f"other {s['server_other_cpu']:.2f} runq wait {s['server_runq_wait']:.2f}  "
                   f"client cpu {s['client_cpu']:.2f}  lag {s['client_lag_max_ms']:.0f} ms  errors {s['errors']}  "
                   f"cpu ms per audio s: server {s['server_cpu_ms_per_audio_s']:.2f} "
-                  f"engine-only {s['engine_cpu_ms_per_audio_s']:.2f}",
+                  f"engine-only {s['engine_cpu_ms_per_audio_s']:.2f}"
+                  + f"  unit margin ms p1/p5/p50: {result.margins()}"
+                  + (f"  underruns at unit #: {result.underruns_by_unit()}" if result.underruns else ""),
                   flush=True)
             if result.passed:
                 lo = n
