@@ -48,25 +48,10 @@ ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 """The voices of Orpheus' English finetune, in its recommended order (tara first)."""
 
 
-def audio_token_ids() -> list[int]:
-    """Every audio code token id (all slots), for restricting sampling in random-weight mode."""
-    return list(range(AUDIO_BASE, AUDIO_END))
-
-
 def build_prompt(prefix_ids: Sequence[int], text_ids: Sequence[int]) -> list[int]:
     """A unit's prompt: the voice's conditioning prefix (may be empty), then Orpheus' human turn holding
     the tokenized `"{voice}: {text}"` (or just the text), then the AI turn's opening up to start-of-speech."""
     return [*prefix_ids, START_OF_HUMAN, *text_ids, *PROMPT_SUFFIX]
-
-
-def to_snac_levels(frames: CodeFrames) -> tuple[CodeFrames, CodeFrames, CodeFrames]:
-    """Split frames (batch optional: shape (..., frames, 7)) into SNAC's three code levels, each
-    (..., frames * {1, 2, 4}) in time order."""
-    level0 = frames[..., 0:1]
-    level1 = frames[..., [1, 4]]
-    level2 = frames[..., [2, 3, 5, 6]]
-    lead = frames.shape[:-2]
-    return (level0.reshape(*lead, -1), level1.reshape(*lead, -1), level2.reshape(*lead, -1))
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import websockets
 from voicewire.adapters.base import SynthesisRequest
-from voicewire.adapters.talker import TalkerConfig, TalkerEngine
+from voicewire.adapters.talker import TalkerConfig, TalkerEngine, load_voices
 from voicewire.adapters.talker_codec import ChunkPolicy
 from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLES_PER_FRAME
 from voicewire.adapters.talker_testing import write_snac, write_talker
@@ -94,6 +94,27 @@ def expected_chunks(frames: int, initial: int) -> list[int]:
     if sent < frames:
         sizes.append(frames - sent)
     return [n * F for n in sizes]
+
+
+def test_prompts_are_orpheus_prompts(talker_server: ServerThread) -> None:
+    """Orpheus' own engine sends `[128259] + tokenize(f"{voice}: {text}") + [128009, 128260, 128261, 128257]`
+    (start of human, the text turn, end of text, end of human, start of AI, start of speech; a real Llama-3
+    tokenizer adds `<|begin_of_text|>` itself, this test's byte tokenizer adds nothing). A voice's
+    conditioning prefix goes first."""
+    from tokenizers import Tokenizer
+
+    talker = engine(talker_server)
+    tokenizer = Tokenizer.from_file(str(Path(talker.config.talker_model) / "tokenizer.json"))
+    text = "Hi there."
+    for voice, prefix in (("tara", []), ("leo", SHARED_PREFIX)):
+        spoken = tokenizer.encode(f"{voice}: {text}").ids
+        assert talker.prompt_token_ids(voice, text) == [*prefix, 128259, *spoken, 128009, 128260, 128261, 128257]
+
+
+def test_without_a_voices_file_the_voices_are_orpheus_finetuned_ones(tmp_path: Path) -> None:
+    voices = load_voices(tmp_path)
+    assert [v.name for v in voices] == ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
+    assert all(v.name_prefix and not v.prefix_token_ids for v in voices)
 
 
 async def test_websocket_session_streams_ramped_chunks_in_unit_order(talker_server: ServerThread) -> None:
