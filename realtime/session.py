@@ -199,7 +199,7 @@ class SessionRuntime:
             limit = (self.settings.max_config_bytes if isinstance(message, SessionConfig)
                      else self.settings.max_message_bytes)
             if len(data) > limit // 4 and len(data.encode()) > limit:
-                kind = "session.config" if isinstance(message, SessionConfig) else "input.text"
+                kind = type(message).__struct_config__.tag
                 raise ProtocolError("message_too_large", f"{kind} message too large")
         except ProtocolError as exc:
             self._apply(self.machine.protocol_error(exc))

@@ -50,6 +50,8 @@ NON_FATAL: list[tuple[str, Any, str, str]] = [
     ("deeply nested array", "[" * 20_000 + "]" * 20_000, "invalid_message", "JSON nested too deeply"),
     ("oversized input.text", {"type": "input.text", "text": "a" * (130 * 1024)}, "message_too_large",
      "input.text message too large"),
+    ("oversized input.cancel", {"type": "input.cancel", "context_id": "c" * (130 * 1024)}, "message_too_large",
+     "input.cancel message too large"),
 ]
 
 
