@@ -180,6 +180,8 @@ class EffectiveConfig(msgspec.Struct, kw_only=True):
     seed: int | None
     max_new_tokens: int | None
     initial_codec_chunk_frames: int | None
+    task_type: str
+    """vllm-omni's task: `CustomVoice` (a predefined voice) unless the engine can clone."""
 
 
 class SessionUpdated(msgspec.Struct, tag="session.updated", tag_field="type", kw_only=True):

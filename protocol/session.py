@@ -345,7 +345,7 @@ def resolve_config(msg: SessionConfig, facts: ServerFacts) -> EffectiveConfig:
         stream_audio=msg.stream_audio, split_granularity=msg.split_granularity,
         max_buffer_delay_ms=msg.max_buffer_delay_ms, word_timestamps=msg.word_timestamps,
         audio_frames=audio_frames, seed=msg.seed, max_new_tokens=msg.max_new_tokens,
-        initial_codec_chunk_frames=msg.initial_codec_chunk_frames,
+        initial_codec_chunk_frames=msg.initial_codec_chunk_frames, task_type=msg.task_type or "CustomVoice",
     )
 
 

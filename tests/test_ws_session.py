@@ -202,9 +202,11 @@ async def test_two_sessions_get_their_own_audio_untouched_by_the_others_errors(s
 
 async def test_config_echo_and_limits_are_published(server: ServerThread) -> None:
     async with websockets.connect(server.ws_url) as ws:
-        updated = await configure(ws, voice="alloy", speed=1.5, sample_rate=16000, response_format="wav")
-    assert updated["config"]["voice"] == "heart"
-    assert updated["config"]["sample_rate"] == 16000
+        updated = await configure(ws, voice="alloy", speed=1.5, sample_rate=16000, response_format="wav",
+                                  task_type="CustomVoice", seed=7)
+    config = updated["config"]
+    assert config["voice"] == "heart" and config["speed"] == 1.5 and config["sample_rate"] == 16000
+    assert config["task_type"] == "CustomVoice" and config["seed"] == 7
     limits = updated["limits"]
     for key in ("config_timeout_s", "idle_timeout_s", "max_message_bytes", "max_utterance_chars", "max_sessions"):
         assert limits[key] > 0
