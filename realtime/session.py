@@ -337,8 +337,10 @@ class SessionRuntime:
 
     def _cancel_everything(self) -> None:
         for item in self._outq:
-            if isinstance(item, UnitJob) and item.run is not None:
-                item.run.task.cancel()
+            if isinstance(item, UnitJob):
+                self.ctx.metrics.units.labels("cancelled").inc()
+                if item.run is not None:
+                    item.run.task.cancel()
         self._outq.clear()
 
     async def _await_unit_tasks(self) -> None:

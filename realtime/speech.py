@@ -289,9 +289,10 @@ class SpeechSynthesis:
                 metrics.units.labels("ok").inc()
                 self.engine_s += run.engine_s
         finally:
+            # Units left behind (client gone, or a unit failed): those in flight and those never started.
+            metrics.units.labels("cancelled").inc(len(runs) + len(units) - started)
             for _, run in runs:
                 run.task.cancel()
-                metrics.units.labels("cancelled").inc()
             await asyncio.gather(*(run.task for _, run in runs), return_exceptions=True)
 
     def _start(self, unit: TextUnit, deadline: float, wake: Callable[[], None]) -> UnitRun:

@@ -1,11 +1,17 @@
-"""`GET /metrics` is Prometheus text that `prometheus_client` parses, and its counters move with traffic."""
+"""`GET /metrics` is Prometheus text that `prometheus_client` parses, and its counters move with traffic: every
+synthesis unit is counted exactly once, by how it ended."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import httpx
+import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server import ServerThread
+from tests.wsclient import configure, send
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -52,3 +58,48 @@ def test_metrics_parse_and_move_when_speech_is_made(server: ServerThread) -> Non
     assert value(after, "voicewire_engine_busy_seconds_total") > value(before, "voicewire_engine_busy_seconds_total")
     assert value(after, "voicewire_engine_queue_depth") == 0
     assert value(after, "voicewire_rest_speech_in_flight") == 0
+
+
+def _units_total(samples: Samples) -> float:
+    return sum(value(samples, "voicewire_units_total", outcome=o) for o in ("ok", "cancelled", "failed"))
+
+
+def _wait_idle(server: ServerThread) -> Samples:
+    """Until no session is open, no REST speech runs and the engine is idle (bounded)."""
+    for _ in range(400):
+        samples = scrape(server)
+        if not any(value(samples, name) for name in ("voicewire_sessions_open", "voicewire_rest_speech_in_flight",
+                                                     "voicewire_engine_slots_in_use", "voicewire_engine_queue_depth")):
+            return samples
+        time.sleep(0.05)
+    raise AssertionError("the server did not go idle")
+
+
+SENTENCES = " ".join(f"This is sentence number {n} of a long reading." for n in range(30))
+
+
+async def test_every_unit_is_counted_once_when_a_websocket_client_vanishes(server: ServerThread) -> None:
+    before = _wait_idle(server)
+    async with websockets.connect(server.ws_url) as ws:
+        await configure(ws, split_granularity="sentence", response_format="pcm", stream_audio=True)
+        await send(ws, {"type": "input.text", "text": SENTENCES})
+        await send(ws, {"type": "input.done"})
+        while not isinstance(await ws.recv(), bytes):
+            pass
+        ws.transport.abort()  # gone without a close frame
+    after = await asyncio.to_thread(_wait_idle, server)
+    assert _units_total(after) - _units_total(before) == 30
+    assert value(after, "voicewire_units_total", outcome="cancelled") > value(
+        before, "voicewire_units_total", outcome="cancelled")
+
+
+def test_every_unit_is_counted_once_when_a_rest_client_hangs_up(server: ServerThread) -> None:
+    before = _wait_idle(server)
+    with httpx.stream("POST", server.http_url + "/v1/audio/speech", timeout=60,
+                      json={"input": SENTENCES, "response_format": "pcm"}) as response:
+        assert response.status_code == 200
+        assert next(response.iter_raw())
+    after = _wait_idle(server)
+    assert _units_total(after) - _units_total(before) == 30
+    assert value(after, "voicewire_units_total", outcome="cancelled") > value(
+        before, "voicewire_units_total", outcome="cancelled")
