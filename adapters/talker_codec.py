@@ -178,6 +178,10 @@ class SnacCodec:
     def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "auto",
                  cuda_graphs: bool = True) -> None:
         self.model_dir = Path(model_dir)
+        for name in ("config.json", "pytorch_model.bin"):
+            if not (self.model_dir / name).is_file():
+                raise FileNotFoundError(f"talker codec: {self.model_dir / name} is missing (--codec-model must be a "
+                                        "SNAC folder: config.json + pytorch_model.bin)")
         self.device = device
         self.dtype = dtype
         self.cuda_graphs = cuda_graphs
@@ -205,9 +209,6 @@ class SnacCodec:
 
         config_path = self.model_dir / "config.json"
         weights_path = self.model_dir / "pytorch_model.bin"
-        for path in (config_path, weights_path):
-            if not path.is_file():
-                raise FileNotFoundError(f"talker codec: {path} is missing (expected a SNAC folder)")
         config = json.loads(config_path.read_text())
         if config.get("sampling_rate", 24000) != 24000 or list(config.get("vq_strides", [])) != [4, 2, 1]:
             raise ValueError("talker codec: expected a 24 kHz SNAC with vq_strides [4, 2, 1] (Orpheus' codec)")

@@ -216,3 +216,10 @@ async def test_unknown_voice_is_refused_with_the_talker_voices(talker_server: Se
         got = await recv_until(ws, "error")
         error = got.of("error")[0]
         assert error["code"] == "invalid_config" and "leo" in error["message"]
+
+
+def test_a_codec_folder_that_is_not_snac_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    talker = write_talker(tmp_path / "talker")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"config.json is missing \(--codec-model must be a SNAC folder"):
+        TalkerEngine(TalkerConfig(talker_model=str(talker), codec_model=str(tmp_path / "empty")))
