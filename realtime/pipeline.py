@@ -82,8 +82,9 @@ class UnitRun:
     """One unit synthesizing in its own task (see `start`). Its rendered pieces collect in `outbox`, in
     order, for one consumer to take; `done` turns true once the unit finished (`error` None) or failed
     (`error` is what it raised: `UnitTimeout` past its deadline, or the engine's exception); `engine_s` the
-    engine seconds it spent. Cancelling `task` is for whoever drops the run: a run cancelled before its
-    task first ran never turns `done`. Memory: the pieces not yet taken (at most one unit's audio)."""
+    engine seconds it spent. Cancelling `task` is for whoever drops the run: a cancelled run's `done` and
+    `error` mean nothing (it may never turn `done`, or turn it with no error). Memory: the pieces not yet
+    taken (at most one unit's audio)."""
 
     task: asyncio.Task[None] = field(init=False)
     outbox: deque[RenderedPiece] = field(default_factory=deque)
