@@ -30,6 +30,8 @@ end-of-speech and codes are parsed strictly by slot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -42,7 +44,14 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 from voicewire.adapters.base import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest
-from voicewire.adapters.talker_codec import ChunkPolicy, ChunkStreamer, CodecBatcher, CodecStats, SnacCodec
+from voicewire.adapters.talker_codec import (
+    ChunkPolicy,
+    ChunkStreamer,
+    CodecBatcher,
+    CodecStats,
+    DecodeWindow,
+    SnacCodec,
+)
 from voicewire.adapters.talker_layout import (
     CODES_PER_FRAME,
     ORPHEUS_VOICES,
@@ -131,11 +140,11 @@ class TalkerVoice:
     name: str
     prefix_token_ids: tuple[int, ...] = ()
     name_prefix: bool = True
+    cache_salt: str = field(init=False)
 
-    @property
-    def cache_salt(self) -> str:
+    def __post_init__(self) -> None:
         digest = hashlib.sha256(json.dumps([self.name, list(self.prefix_token_ids), self.name_prefix]).encode())
-        return digest.hexdigest()[:32]
+        object.__setattr__(self, "cache_salt", digest.hexdigest()[:32])
 
 
 class _Tokenizer(Protocol):
@@ -204,10 +213,7 @@ class TalkerEngine:
 
     @property
     def stats(self) -> TalkerStats:
-        st = self._steps
-        return TalkerStats(**self._counts, engine_steps=st.engine_steps, batched_steps=st.batched_steps,
-                           peak_running=st.peak_running, running=st.running, kv_cache_usage=st.kv_cache_usage,
-                           generated_tokens=st.generated_tokens, codec=self._batcher.stats)
+        return TalkerStats(**self._counts, **dataclasses.asdict(self._steps), codec=self._batcher.stats)
 
     def trace(self, enabled: bool) -> dict[str, dict[str, float]]:
         """Benchmarks: start (`True`) or stop recording each unit's first-chunk stage times, returning what was
@@ -274,36 +280,41 @@ class TalkerEngine:
         """The talker alone for one unit (same prompt and sampling as `synthesize`, no codec): yields the
         number of tokens of each streamed output. For benchmarks that measure what the serving path adds;
         closing it aborts the request."""
+        async with contextlib.aclosing(self._outputs(request, self._prompt(request))) as outputs:
+            async for output in outputs:
+                yield len(output.outputs[0].token_ids)
+
+    # -- request -------------------------------------------------------------------------------------
+
+    def _prompt(self, request: SynthesisRequest) -> dict[str, Any]:
+        voice = self._voices.get(request.voice)
+        if voice is None:
+            raise ValueError(f"talker: unknown voice {request.voice!r}; available: {', '.join(self._voices)}")
+        return {"prompt_token_ids": self.prompt_token_ids(voice.name, request.text), "cache_salt": voice.cache_salt}
+
+    async def _outputs(self, request: SynthesisRequest, prompt: dict[str, Any]) -> AsyncGenerator[_RequestOutput]:
+        """The unit's vLLM request, its streamed outputs in order; closing this before the last one aborts the
+        request (its token generation stops and its KV cache blocks are freed at the next engine step)."""
         llm = self._llm
         if llm is None:
             raise RuntimeError("talker: engine is not started (call start() first)")
-        voice = self._voices[request.voice]
-        prompt = {"prompt_token_ids": self.prompt_token_ids(voice.name, request.text), "cache_salt": voice.cache_salt}
         stream = llm.generate(prompt, self._sampling_params(request), request.request_id)
         finished = False
         try:
             async for output in cast(AsyncIterator[_RequestOutput], stream):
                 finished = output.finished
-                yield len(output.outputs[0].token_ids)
+                yield output
+            finished = True
         finally:
             if not finished:
                 await llm.abort(request.request_id)
             await stream.aclose()
 
-    # -- request -------------------------------------------------------------------------------------
-
     async def _synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
-        llm = self._llm
-        if llm is None:
-            raise RuntimeError("talker: engine is not started (call start() first)")
-        voice = self._voices.get(request.voice)
-        if voice is None:
-            raise ValueError(f"talker: unknown voice {request.voice!r}; available: {', '.join(self._voices)}")
         if request.speed != 1.0:
             raise ValueError(f"talker: speed {request.speed} is outside the native range 1.0..1.0")
+        prompt = self._prompt(request)
         initial = _option_int(request, "initial_codec_chunk_frames") or self.config.chunks.initial_frames
-        prompt = {"prompt_token_ids": self.prompt_token_ids(voice.name, request.text), "cache_salt": voice.cache_salt}
-        params = self._sampling_params(request)
         streamer = ChunkStreamer(self.config.chunks, initial, self._codec.graph_lengths)
         parser = FrameParser(any_token_is_code=self.config.random_weights)
         count = self._count
@@ -312,33 +323,40 @@ class TalkerEngine:
         trace: dict[str, float] | None = None
         if self._trace is not None:
             trace = self._trace[request.request_id] = {"call": time.perf_counter(), "seed": float(request.seed or 0)}
+
+        async def due_windows() -> AsyncGenerator[DecodeWindow]:
+            """The unit's chunks to decode, in order, as the talker's frames make them due."""
+            first = True
+            async with contextlib.aclosing(self._outputs(request, prompt)) as outputs:
+                async for output in outputs:
+                    if first and output.num_cached_tokens:  # the same figure rides on every output
+                        count("cached_prompt_tokens", output.num_cached_tokens)
+                    first = False
+                    tokens = output.outputs[0].token_ids
+                    frames = parser.feed(tokens)
+                    count("tokens", len(tokens))
+                    if trace is not None:
+                        trace.setdefault("first_output", time.perf_counter())
+                    if len(frames):
+                        count("frames", len(frames))
+                        for window in streamer.push(frames, final=output.finished or parser.stopped):
+                            yield window
+            for window in streamer.finish():
+                yield window
+
         # The listener's clock: playback starts with the first chunk (`played_from`), and each later chunk is
         # due when the audio sent before it (`sent` samples) has played; the codec batcher serves the most
         # urgent window first.
         played_from: float | None = None
         sent = 0
         outcome = "cancelled"
-        finished = False
-        stream = llm.generate(prompt, params, request.request_id)
         try:
-            async for output in cast(AsyncIterator[_RequestOutput], stream):
-                if output.num_cached_tokens:
-                    count("cached_prompt_tokens", output.num_cached_tokens)
-                tokens = output.outputs[0].token_ids
-                frames = parser.feed(tokens)
-                count("tokens", len(tokens))
-                finished = output.finished
-                if not len(frames):
-                    if trace is not None:
-                        trace.setdefault("first_output", time.perf_counter())
-                    continue
-                count("frames", len(frames))
-                for window in streamer.push(frames, final=finished or parser.stopped):
+            async with contextlib.aclosing(due_windows()) as windows:
+                async for window in windows:
                     times: list[float] | None = None
                     if played_from is None:
                         deadline = time.perf_counter()
                         if trace is not None:
-                            trace.setdefault("first_output", deadline)
                             trace["first_frame"] = trace["queued"] = deadline
                             times = []
                     else:
@@ -351,14 +369,6 @@ class TalkerEngine:
                     sent += len(audio)
                     count("chunks", 1)
                     yield AudioPiece(audio, SAMPLE_RATE)
-            finished = True
-            for window in streamer.finish():
-                deadline = time.perf_counter() if played_from is None else played_from + sent / SAMPLE_RATE
-                audio = await self._batcher.decode(window, deadline)
-                played_from = played_from or time.perf_counter()
-                sent += len(audio)
-                count("chunks", 1)
-                yield AudioPiece(audio, SAMPLE_RATE)
             outcome = "completed"
         except (asyncio.CancelledError, GeneratorExit):
             raise
@@ -366,9 +376,6 @@ class TalkerEngine:
             outcome = "failed"
             raise
         finally:
-            if not finished:
-                await llm.abort(request.request_id)
-            await stream.aclose()
             count("slot_mismatches", parser.slot_mismatches)
             count(outcome, 1)
 
@@ -487,7 +494,4 @@ def _stat_logger_factory(record: Callable[[int, float, int], None]) -> Callable[
         def log_engine_initialized(self) -> None:
             pass
 
-    def factory(vllm_config: Any, engine_index: int = 0) -> Any:
-        return _StepRecorder(vllm_config, engine_index)
-
-    return factory
+    return _StepRecorder

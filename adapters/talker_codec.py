@@ -111,7 +111,6 @@ class ChunkStreamer:
     _frames: list[CodeFrames] = field(default_factory=list)
     _total: int = 0
     _next: int = 0
-    _chunks: int = 0
     _codes: CodeFrames | None = None
 
     def push(self, frames: CodeFrames, final: bool = False) -> list[DecodeWindow]:
@@ -123,7 +122,7 @@ class ChunkStreamer:
             self._codes = None
         due: list[DecodeWindow] = []
         while True:
-            size = self.initial_frames if self._chunks == 0 else self.policy.next_size(self._next)
+            size = self.initial_frames if self._next == 0 else self.policy.next_size(self._next)
             lookahead = self.policy.lookahead_frames if self._next >= self.policy.lookahead_from_frame else 0
             if self._total < self._next + size + lookahead:
                 return due
@@ -150,7 +149,6 @@ class ChunkStreamer:
         window = DecodeWindow(first, frames, (start - first) * SAMPLES_PER_FRAME, (end - first) * SAMPLES_PER_FRAME,
                               end - start)
         self._next = end
-        self._chunks += 1
         return window
 
     def _all(self) -> CodeFrames:
@@ -327,7 +325,7 @@ class SnacCodec:
                 audio, finite = self._replay(frames, bucket)
             else:
                 audio, finite = self._eager(frames, self._model)
-            if not finite:
+            if not finite and self._model32 is not None:
                 self.fallbacks += 1
                 audio, _ = self._eager(frames, self._model32)
             return audio
@@ -352,8 +350,6 @@ class SnacCodec:
 
     def _eager(self, frames: CodeFrames, model: Any) -> tuple[npt.NDArray[np.float32], bool]:
         torch = self._torch
-        if model is None:  # float32 already: a non-finite result stays as it is
-            model = self._model
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             codes = torch.from_numpy(np.ascontiguousarray(frames, dtype=np.int64)).to(self.device)
             audio = self._forward(codes, model)

@@ -64,11 +64,8 @@ class _Worker:
     ready: asyncio.Future[EngineInfo]
     alive: bool = True
     inflight: dict[str, asyncio.Queue[tuple[str, Any]]] = field(default_factory=dict)
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def send(self, message: tuple[Any, ...]) -> None:
-        with self.send_lock:
-            self.conn.send(message)
+    """Requests in flight and their piece queues. Only the event loop sends on `conn` (its reader thread only
+    receives), so sends need no lock."""
 
 
 class ProcessEngine:
@@ -130,7 +127,7 @@ class ProcessEngine:
         outcome = "cancelled"
         try:
             try:
-                worker.send(("synth", rid, request))
+                worker.conn.send(("synth", rid, request))
             except OSError as exc:
                 outcome = "failed"
                 raise EngineWorkerDied(f"engine worker {worker.index} is gone; it is being restarted") from exc
@@ -152,7 +149,7 @@ class ProcessEngine:
             worker.inflight.pop(rid, None)
             if outcome == "cancelled" and worker.alive:
                 try:
-                    worker.send(("cancel", rid))
+                    worker.conn.send(("cancel", rid))
                 except OSError:
                     pass
             self._count(**{outcome: 1})
@@ -250,7 +247,7 @@ class ProcessEngine:
     async def _stop(self, worker: _Worker) -> None:
         worker.alive = False
         try:
-            worker.send(("stop",))
+            worker.conn.send(("stop",))
         except OSError:
             pass
         await asyncio.to_thread(worker.process.join, 5.0)
