@@ -129,7 +129,8 @@ _LEGAL: dict[State, frozenset[str]] = {
 """Which client message types each state accepts; anything else is refused by `_illegal`."""
 
 
-def _message_type(msg: ClientMessage) -> str:
+def message_type(msg: ClientMessage) -> str:
+    """The message's `type` tag ("input.text", ...)."""
     tag = type(msg).__struct_config__.tag
     assert isinstance(tag, str)
     return tag
@@ -160,7 +161,7 @@ class SessionMachine:
 
     def receive(self, msg: ClientMessage, now_ms: float) -> list[Action]:
         """Apply one decoded client message. Raises nothing: refusals become `error` actions."""
-        kind = _message_type(msg)
+        kind = message_type(msg)
         if kind not in _LEGAL[self.state]:
             return self._illegal(kind)
         try:

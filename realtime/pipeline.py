@@ -20,7 +20,12 @@ from voicewire.protocol.render import RenderedPiece, RenderPlan, UnitRenderer, p
 from voicewire.realtime.context import ServerContext
 
 SECONDS_PER_CHAR_ESTIMATE = 0.065
-"""Rough speech duration of one character, used to estimate playback deadlines of units not yet heard."""
+"""Rough speech duration of one character (`estimate_seconds`)."""
+
+
+def estimate_seconds(text: str, config: EffectiveConfig) -> float:
+    """Expected audio duration of `text` under `config`, for playback deadlines of units not yet heard."""
+    return len(text) * SECONDS_PER_CHAR_ESTIMATE / config.speed
 
 
 class UnitTimeout(Exception):
@@ -93,10 +98,13 @@ class UnitRun:
     engine_s: float = 0.0
 
     @classmethod
-    def start(cls, ctx: ServerContext, request: SynthesisRequest, renderer: UnitRenderer, deadline: float,
-              wake: Callable[[], None]) -> UnitRun:
-        """Start `request` through `synthesize_unit`; `wake()` is called after every piece and once when the
-        unit is done. Cancelling `task` cancels the unit (the engine iterator is closed)."""
+    def start(cls, ctx: ServerContext, request_id: str, text: str, config: EffectiveConfig, deadline: float,
+              wake: Callable[[], None], *, stream: bool | None = None) -> UnitRun:
+        """Render `text` under `config` (`render_plan`, `stream` as there) through `synthesize_unit` as engine
+        request `request_id`; `wake()` is called after every piece and once when the unit is done. Cancelling
+        `task` cancels the unit (the engine iterator is closed)."""
+        renderer = UnitRenderer(render_plan(config, ctx.engine.info, stream=stream))
+        request = synthesis_request(request_id, text, config, renderer.plan)
         run = cls()
 
         def sink(piece: RenderedPiece) -> None:

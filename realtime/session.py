@@ -42,7 +42,7 @@ from voicewire.protocol.messages import (
     decode_client_message,
     encode_event,
 )
-from voicewire.protocol.render import RenderedPiece, UnitRenderer, place_words
+from voicewire.protocol.render import RenderedPiece, place_words
 from voicewire.protocol.session import (
     CLOSE_POLICY,
     Action,
@@ -53,15 +53,10 @@ from voicewire.protocol.session import (
     SessionMachine,
     Synthesize,
     Unit,
+    message_type,
 )
 from voicewire.realtime.context import ServerContext
-from voicewire.realtime.pipeline import (
-    SECONDS_PER_CHAR_ESTIMATE,
-    UnitRun,
-    UnitTimeout,
-    render_plan,
-    synthesis_request,
-)
+from voicewire.realtime.pipeline import UnitRun, UnitTimeout, estimate_seconds
 
 log = logging.getLogger("voicewire.session")
 
@@ -199,8 +194,7 @@ class SessionRuntime:
             limit = (self.settings.max_config_bytes if isinstance(message, SessionConfig)
                      else self.settings.max_message_bytes)
             if len(data) > limit // 4 and len(data.encode()) > limit:
-                kind = type(message).__struct_config__.tag
-                raise ProtocolError("message_too_large", f"{kind} message too large")
+                raise ProtocolError("message_too_large", f"{message_type(message)} message too large")
         except ProtocolError as exc:
             self._apply(self.machine.protocol_error(exc))
             return
@@ -294,8 +288,7 @@ class SessionRuntime:
         stats = self._utterances.setdefault(unit.utterance_index, UtteranceStats())
         if stats.committed_first_ms is None:
             stats.committed_first_ms = unit.committed_ms
-        estimate_s = len(unit.text) * SECONDS_PER_CHAR_ESTIMATE / unit.config.speed
-        self._outq.append(UnitJob(unit, estimate_s))
+        self._outq.append(UnitJob(unit, estimate_seconds(unit.text, unit.config)))
         self._pump()
 
     def _pump(self) -> None:
@@ -316,8 +309,8 @@ class SessionRuntime:
         self._emit(AudioCancelled(utterance_index=index, audio_ms=_ms(stats.audio_ms), context_id=context_id))
         self._pump()
 
-    def _drop_units(self, drop: Callable[[int], bool]) -> None:
-        """Stop the units (and utterance ends) of the utterances `drop` selects; a unit whose
+    def _drop_units(self, drop: Callable[[int], bool], *, announce: bool = True) -> None:
+        """Stop the units (and utterance ends) of the utterances `drop` selects; with `announce`, a unit whose
         `audio.start` went out gets its `audio.done` (error: true), so the two always pair."""
         kept: deque[UnitJob | FinishMarker] = deque()
         for item in self._outq:
@@ -329,19 +322,15 @@ class SessionRuntime:
                 self.ctx.metrics.units.labels("cancelled").inc()
                 if item.run is not None:
                     item.run.task.cancel()
-                if item.started_sent:
+                if announce and item.started_sent:
                     self._emit(AudioDone(
                         utterance_index=owner, sentence_index=item.unit.sentence_index,
                         total_bytes=item.bytes_sent, error=True, audio_ms=_ms(item.sent_ms)))
         self._outq = kept
 
     def _cancel_everything(self) -> None:
-        for item in self._outq:
-            if isinstance(item, UnitJob):
-                self.ctx.metrics.units.labels("cancelled").inc()
-                if item.run is not None:
-                    item.run.task.cancel()
-        self._outq.clear()
+        """Stop every unit, saying nothing (the session is ending)."""
+        self._drop_units(lambda _: True, announce=False)
 
     async def _await_unit_tasks(self) -> None:
         if self._unit_tasks:
@@ -351,10 +340,8 @@ class SessionRuntime:
 
     def _start(self, job: UnitJob) -> None:
         unit = job.unit
-        renderer = UnitRenderer(render_plan(unit.config, self.ctx.engine.info))
-        request = synthesis_request(f"{self.session_id}-{unit.utterance_index}-{unit.sentence_index}",
-                                    unit.text, unit.config, renderer.plan)
-        run = job.run = UnitRun.start(self.ctx, request, renderer, self._deadline(job), self._wake.set)
+        run = job.run = UnitRun.start(self.ctx, f"{self.session_id}-{unit.utterance_index}-{unit.sentence_index}",
+                                      unit.text, unit.config, self._deadline(job), self._wake.set)
         self.engine_requests_started += 1
         self._unit_tasks.add(run.task)
         run.task.add_done_callback(self._unit_tasks.discard)
@@ -412,7 +399,8 @@ class SessionRuntime:
         run = job.run
         if run is not None and run.outbox:
             piece = run.outbox.popleft()
-            job.unit_words.extend(piece.words)
+            if config.word_timestamps and config.audio_frames == "json":
+                job.unit_words.extend(piece.words)
             if piece.words and config.word_timestamps and config.audio_frames == "binary":
                 words = place_words(piece.words, unit.text, unit.char_start, job.offset_ms)
                 await self._send_event(AudioWords(utterance_index=unit.utterance_index,
@@ -459,10 +447,10 @@ class SessionRuntime:
             stats.first_audio_ms = now * 1000.0 - stats.committed_first_ms
             self.ctx.metrics.ttfa.labels("ws").observe(stats.first_audio_ms / 1000.0)
         self._dry_at = max(self._dry_at or now, now) + piece.samples / config.sample_rate
-        start_ms = _ms(job.samples_sent * 1000.0 / config.sample_rate)
+        start_ms = _ms(job.sent_ms)
         job.samples_sent += piece.samples
         job.bytes_sent += len(piece.data)
-        end_ms = job.samples_sent * 1000.0 / config.sample_rate
+        end_ms = job.sent_ms
         stats.audio_ms = job.offset_ms + end_ms
         self.ctx.metrics.audio_seconds.labels("ws").inc(piece.samples / config.sample_rate)
         if config.audio_frames == "binary":

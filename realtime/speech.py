@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
@@ -36,13 +36,13 @@ from voicewire.protocol.messages import (
     SessionConfig,
     WordTiming,
 )
-from voicewire.protocol.render import RenderedPiece, UnitRenderer, place_words
+from voicewire.protocol.render import RenderedPiece, place_words
 from voicewire.protocol.segmenter import Segmenter
 from voicewire.protocol.session import ServerFacts, resolve_config
 from voicewire.realtime.context import ServerContext
 from voicewire.realtime.encoders import STREAMING_FORMATS, RestFormat, make_encoder
 from voicewire.realtime.openai_errors import OpenAIError, bad_request, from_protocol_error
-from voicewire.realtime.pipeline import SECONDS_PER_CHAR_ESTIMATE, UnitRun, render_plan, synthesis_request
+from voicewire.realtime.pipeline import UnitRun, estimate_seconds
 
 Delivery = Literal["stream", "sse", "whole"]
 
@@ -271,8 +271,11 @@ class SpeechSynthesis:
         try:
             while runs or started < len(units):
                 while started < len(units) and len(runs) < cap:
-                    runs.append((units[started], self._start(units[started], self.started + estimate_s, wake.set)))
-                    estimate_s += len(units[started].text) * SECONDS_PER_CHAR_ESTIMATE / self.plan.config.speed
+                    unit = units[started]
+                    runs.append((unit, UnitRun.start(self.ctx, f"{self.request_id}-{unit.index}", unit.text,
+                                                     self.plan.config, self.started + estimate_s, wake.set,
+                                                     stream=True)))
+                    estimate_s += estimate_seconds(unit.text, self.plan.config)
                     started += 1
                 unit, run = runs[0]
                 offset_ms = self.samples * 1000.0 / self.sample_rate
@@ -294,9 +297,3 @@ class SpeechSynthesis:
             for _, run in runs:
                 run.task.cancel()
             await asyncio.gather(*(run.task for _, run in runs), return_exceptions=True)
-
-    def _start(self, unit: TextUnit, deadline: float, wake: Callable[[], None]) -> UnitRun:
-        config = self.plan.config
-        renderer = UnitRenderer(render_plan(config, self.ctx.engine.info, stream=True))
-        request = synthesis_request(f"{self.request_id}-{unit.index}", unit.text, config, renderer.plan)
-        return UnitRun.start(self.ctx, request, renderer, deadline, wake)
