@@ -48,6 +48,7 @@ from bench.workload import (
     dump_json,
     first_unit,
     percentile,
+    schedstat,
     table,
     tokens,
     utterance,
@@ -65,7 +66,6 @@ class Reply:
 
     ttfa_s: float
     audio_s: float
-    underruns: int
     stall_s: float
     units: int
     underrun_units: list[int]
@@ -110,7 +110,7 @@ class Trial:
 
     @property
     def underruns(self) -> int:
-        return sum(r.underruns for r in self.replies)
+        return sum(len(r.underrun_units) for r in self.replies)
 
     def margins(self) -> str:
         """p1 / p5 / p50 margin (ms of audio left when a unit's first frame arrived) for the second unit of
@@ -182,11 +182,11 @@ class Ceiling:
                     audio_samples += len(piece.samples)
 
         started = time.monotonic()
-        before = _schedstat(os.getpid())
+        before = schedstat(os.getpid())
         # two feeders per worker, so a worker never waits for the event loop to hand it the next job
         await asyncio.gather(*(feeder() for _ in range(2 * self.workers)))
         wall = time.monotonic() - started
-        after = _schedstat(os.getpid())
+        after = schedstat(os.getpid())
         return {"aggregate_rtf": audio_samples / engine.info.sample_rate / wall, "seconds": wall,
                 "cpu": (after[0] + after[1] - before[0] - before[1]) / wall,
                 "cpu_ms_per_audio_s": (after[0] + after[1] - before[0] - before[1]) * 1000.0
@@ -208,13 +208,13 @@ class Session:
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         while time.monotonic() < stop_at:
             text = utterance(self.rng, self.rng.randint(2, 3))
-            reply, plays_until = await self.reply(text)
+            reply = await self.reply(text)
             if reply is None:
                 return
             self.trial.replies.append(reply)
-            await asyncio.sleep(max(0.0, plays_until - time.monotonic()) + self.rng.uniform(0, 2 * self.args.gap))
+            await asyncio.sleep(max(0.0, reply.plays_until - time.monotonic()) + self.rng.uniform(0, 2 * self.args.gap))
 
-    async def reply(self, text: str) -> tuple[Reply | None, float]:
+    async def reply(self, text: str) -> Reply | None:
         deltas = tokens(text)
         found = first_unit(deltas, "sentence")
         commit_index = found[0] if found is not None else len(deltas)
@@ -255,15 +255,15 @@ class Session:
         except websockets.ConnectionClosed as exc:
             self.trial.errors.append(f"connection closed: {exc}")
             sender.cancel()
-            return None, 0.0
+            return None
         await sender
         if not frames:
             self.trial.errors.append("reply without audio")
-            return None, 0.0
+            return None
         late, margins, stall, plays_until = _playback(frames)
         ttfa = frames[0][0] - committed_at[0]
         audio_s = sum(n for _, n, _ in frames) / BYTES_PER_SECOND
-        return Reply(ttfa, audio_s, len(late), stall, units, late, margins, frames[0][0], plays_until), plays_until
+        return Reply(ttfa, audio_s, stall, units, late, margins, frames[0][0], plays_until)
 
 
 def _playback(frames: list[tuple[float, int, int]]) -> tuple[list[int], list[tuple[int, float]], float, float]:
@@ -298,10 +298,10 @@ class CapacityServer(ServerProcess):
         """(event-loop thread CPU, CPU of all other threads and of the engine's child processes, run-queue
         wait of all of them) seconds so far; the wait is time a runnable thread spent waiting for a core
         (the machine was oversubscribed)."""
-        loop, other, wait = _schedstat(self.proc.pid)
+        loop, other, wait = schedstat(self.proc.pid)
         for child in children(self.proc.pid):
             with contextlib.suppress(OSError):
-                main, rest, child_wait = _schedstat(child)
+                main, rest, child_wait = schedstat(child)
                 other += main + rest
                 wait += child_wait
         return loop, other, wait
@@ -359,20 +359,6 @@ async def trial(server: CapacityServer, n: int, args: argparse.Namespace) -> Tri
         result.client_lag_max_ms = lag.max_ms
         await asyncio.gather(*(ws.close() for ws in sockets), return_exceptions=True)
     return result
-
-
-def _schedstat(pid: int) -> tuple[float, float, float]:
-    """(main thread CPU, other threads' CPU, run-queue wait of all threads) seconds of process `pid`."""
-    main = other = wait = 0.0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-            run_ns, wait_ns, _ = f.read().split()
-        if int(tid) == pid:
-            main += int(run_ns) / 1e9
-        else:
-            other += int(run_ns) / 1e9
-        wait += int(wait_ns) / 1e9
-    return main, other, wait
 
 
 class _LoopLag:

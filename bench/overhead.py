@@ -48,7 +48,7 @@ import aiohttp
 import numpy as np
 from aiohttp import WSMsgType, web
 
-from bench.workload import SENTENCES, dump_json, percentile, stop_process, table
+from bench.workload import SENTENCES, dump_json, percentile, schedstat, stop_process, table
 from bench.workload import ServerProcess as Server
 from tests.server import free_port
 
@@ -129,15 +129,6 @@ class BaselineServer:
                 return
             await asyncio.sleep(0.1)
         raise TimeoutError("baseline not ready")
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU seconds of all threads of `pid` so far (/proc schedstat)."""
-    total = 0.0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-            total += int(f.read().split()[0]) / 1e9
-    return total
 
 
 # -- one stream -------------------------------------------------------------------------------------------
@@ -255,9 +246,9 @@ async def run_trial(name: str, server: Server | BaselineServer, n: int, args: ar
 
         async def meter() -> None:
             await asyncio.sleep(max(0.0, window[0] - time.perf_counter()))
-            server_before, client_before = cpu_seconds(server.pid), time.process_time()
+            server_before, client_before = sum(schedstat(server.pid)[:2]), time.process_time()
             await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
-            trial.server_cpu = (cpu_seconds(server.pid) - server_before) / args.duration
+            trial.server_cpu = (sum(schedstat(server.pid)[:2]) - server_before) / args.duration
             trial.client_cpu = (time.process_time() - client_before) / args.duration
 
         await asyncio.gather(meter(), *(s.play(trial, start + rng.uniform(0, args.ramp), window, args.lead)

@@ -183,14 +183,15 @@ async def run(args: argparse.Namespace, server: ServerThread) -> list[ModeResult
                 first, second = rng.sample(SENTENCES, 2)
                 text = first if mode == "none" else f"{first} {second}"
                 # prime: both timed runs below then see this text second or later (warm caches either way)
-                await bench.engine_first_ms(_first_unit_text(mode, text))
+                unit = _first_unit_text(mode, text)
+                await bench.engine_first_ms(unit)
                 if rep % 2 == 0:
                     measured = await bench.utterance(ws, mode, text)
                     engine_ms, engine_compute = await bench.engine_first_ms(measured.unit_text)
                 else:
-                    engine_ms, engine_compute = await bench.engine_first_ms(_first_unit_text(mode, text))
+                    engine_ms, engine_compute = await bench.engine_first_ms(unit)
                     measured = await bench.utterance(ws, mode, text)
-                    assert measured.unit_text == _first_unit_text(mode, text), (measured, text)
+                    assert measured.unit_text == unit, (measured, text)
                 if rep >= args.warmup:
                     result.ws_ms.append(measured.ws_ms)
                     result.server_ms.append(measured.server_ms)

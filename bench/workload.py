@@ -169,3 +169,18 @@ def children(pid: int) -> list[int]:
                 if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
                     found.append(int(entry))
     return found
+
+
+def schedstat(pid: int) -> tuple[float, float, float]:
+    """(main thread CPU, other threads' CPU, run-queue wait of all threads) seconds of process `pid` so far
+    (/proc schedstat; a thread that exits while being read is left out)."""
+    main = other = wait = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            run_ns, wait_ns, _ = f.read().split()
+            if int(tid) == pid:
+                main += int(run_ns) / 1e9
+            else:
+                other += int(run_ns) / 1e9
+            wait += int(wait_ns) / 1e9
+    return main, other, wait

@@ -305,7 +305,7 @@ async def _speak(session: Session, utterance: _Utterance, emitter: tts.AudioEmit
         if isinstance(event, AudioStart):
             decoder = UnitDecoder(event.format)
         elif isinstance(event, AudioData) and decoder is not None:
-            emitter.push(decoder.feed(event.data).astype("<i2").tobytes())
+            emitter.push(decoder.feed(event.data).astype("<i2", copy=False).tobytes())
         elif isinstance(event, AudioWords):
             text = utterance.text()
             for word in event.words:

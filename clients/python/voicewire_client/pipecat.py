@@ -369,7 +369,7 @@ class VoicewireTTSService(WebsocketTTSService):
         ctx = self._contexts.get(utterance.context_id) if utterance is not None else None
         if ctx is None or not len(samples):
             return  # a cancelled or interrupted context: its late audio is dropped
-        audio = samples.astype("<i2").tobytes()
+        audio = samples.astype("<i2", copy=False).tobytes()
         ctx.audio_bytes += len(audio)
         await self.append_to_audio_context(
             ctx.context_id, TTSAudioRawFrame(audio, self.sample_rate, 1, context_id=ctx.context_id))
