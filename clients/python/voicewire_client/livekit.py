@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from livekit.agents import (
@@ -49,6 +49,7 @@ from livekit.agents import (
 )
 from livekit.agents.types import TimedString
 
+from voicewire_client._agents import Utterance, refuse_owned_fields, word_end
 from voicewire_client.audio import UnitDecoder
 from voicewire_client.events import (
     AudioCancelled,
@@ -64,22 +65,11 @@ __all__ = ["TTS", "ChunkedStream", "SynthesizeStream"]
 
 SplitGranularity = Literal["sentence", "clause", "none"]
 
-_PROTOCOL_FIELDS = frozenset({"response_format", "stream_audio", "audio_frames", "sample_rate", "word_timestamps"})
-
-
 @dataclass(slots=True)
-class _Utterance:
+class _Utterance(Utterance):
     """The request's utterance on its session: its index there, its context id and the text sent so far."""
 
-    index: int
-    context_id: str
-    parts: list[str] = field(default_factory=list)
     finished: bool = False
-
-    def text(self) -> str:
-        if len(self.parts) > 1:
-            self.parts[:] = ["".join(self.parts)]
-        return self.parts[0] if self.parts else ""
 
 
 class TTS(tts.TTS[Any]):
@@ -113,10 +103,7 @@ class TTS(tts.TTS[Any]):
         word_timestamps: bool = True,
         session_config: Mapping[str, Any] | None = None,
     ) -> None:
-        refused = _PROTOCOL_FIELDS & set(session_config or {})
-        if refused:
-            raise ValueError(f"session_config may not set {', '.join(sorted(refused))}: the plugin streams "
-                             "pcm16 in binary frames at `sample_rate`")
+        refuse_owned_fields(session_config, "the plugin streams pcm16 in binary frames at `sample_rate`")
         super().__init__(capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=word_timestamps),
                          sample_rate=sample_rate, num_channels=1)
         self._url = url
@@ -309,9 +296,7 @@ async def _speak(session: Session, utterance: _Utterance, emitter: tts.AudioEmit
         elif isinstance(event, AudioWords):
             text = utterance.text()
             for word in event.words:
-                end = word.char_end
-                while end < len(text) and not text[end].isspace():
-                    end += 1
+                end = word_end(text, word)
                 if end > cursor:
                     emitter.push_timed_transcript(TimedString(text[cursor:end], start_time=word.start_ms / 1000,
                                                               end_time=word.end_ms / 1000))

@@ -39,7 +39,7 @@ import asyncio
 import json
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 from loguru import logger
 from pipecat.frames.frames import ErrorFrame, Frame, StartFrame, TTSAudioRawFrame, TTSStoppedFrame
@@ -49,6 +49,7 @@ from pipecat.transcriptions.language import Language
 from websockets.asyncio.client import ClientConnection
 from websockets.protocol import State
 
+from voicewire_client._agents import Utterance, refuse_owned_fields, word_end
 from voicewire_client.audio import UnitDecoder
 from voicewire_client.events import (
     AudioCancelled,
@@ -64,25 +65,12 @@ from voicewire_client.session import stream_url
 
 __all__ = ["VoicewireTTSService"]
 
-_PROTOCOL_FIELDS: Final = frozenset({"response_format", "stream_audio", "audio_frames", "sample_rate",
-                                     "word_timestamps"})
-"""session.config fields this service owns: it decodes pcm16 binary frames with word timestamps."""
-
-
 @dataclass(slots=True)
-class _Utterance:
+class _Utterance(Utterance):
     """One voicewire utterance of an audio context, from its first `input.text` to its `session.done`."""
 
-    index: int
-    context_id: str
-    parts: list[str] = field(default_factory=list)
     base_bytes: int | None = None
     """Audio bytes of the context before this utterance's first sample (set at its first `audio.start`)."""
-
-    def text(self) -> str:
-        if len(self.parts) > 1:
-            self.parts[:] = ["".join(self.parts)]
-        return self.parts[0] if self.parts else ""
 
 
 @dataclass(slots=True)
@@ -98,10 +86,7 @@ class _Context:
 
 def spoken_word(text: str, word: WordTiming) -> str:
     """The word as it was sent: `text[char_start:char_end]` plus the punctuation glued to its end."""
-    end = word.char_end
-    while end < len(text) and not text[end].isspace():
-        end += 1
-    return text[word.char_start:end] or word.word
+    return text[word.char_start:word_end(text, word)] or word.word
 
 
 class VoicewireTTSService(WebsocketTTSService):
@@ -140,10 +125,8 @@ class VoicewireTTSService(WebsocketTTSService):
         reconnect_backoff_max_wait: float = 10.0,
         **kwargs: Any,
     ) -> None:
-        refused = _PROTOCOL_FIELDS & set(session_config or {})
-        if refused:
-            raise ValueError(f"session_config may not set {', '.join(sorted(refused))}: the service streams "
-                             "pcm16 in binary frames with word timestamps at the pipeline's sample rate")
+        refuse_owned_fields(session_config, "the service streams pcm16 in binary frames with word timestamps at "
+                                            "the pipeline's sample rate")
         super().__init__(
             text_aggregation_mode=text_aggregation_mode,
             push_text_frames=False,
