@@ -339,7 +339,8 @@ class TalkerEngine:
                         trace.setdefault("first_output", time.perf_counter())
                     if len(frames):
                         count("frames", len(frames))
-                        for window in streamer.push(frames, final=output.finished or parser.stopped):
+                        for window in streamer.push(frames, final=output.finished or parser.stopped,
+                                                    now=time.perf_counter()):
                             yield window
             for window in streamer.finish():
                 yield window

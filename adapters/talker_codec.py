@@ -11,6 +11,16 @@ which samples of the decoded window to send:
   1 / (1 + growth): 0.66 for 0.5 (doubling, growth 1.0, allows only 0.5). Past the ramp, any real-time
   factor under 1 keeps the buffer growing. Low time to first audio without a stall after it, with room
   for a talker slowed by a large batch.
+- **Paced by the listener's clock.** With `now` passed to `push`, the streamer keeps the listener's clock
+  (playback taken to start when the first chunk is cut, so the clock errs early) and the talker's measured
+  pace (seconds per frame and between arrivals, smoothed over the unit). Two rules bend the ramp to them:
+  a chunk grows beyond the ramp (up to `steady_frames`) as far as the talker can still produce its frames
+  before the audio already cut has played, less `margin_s` (a fast talker: fewer, larger codec windows,
+  which leaves the device to the talker); and whenever the audio cut so far would run out within
+  `margin_s` plus the time to the next arrival of frames, the frames in hand go out at once as a chunk (a
+  slow talker under load: a chunk is never later than the audio before it, for any real-time factor
+  under 1, where the ramp alone runs dry past about 0.66). Until the pace is known (one arrival), frames
+  in hand after the first chunk go out at once. Without `now` the schedule is the ramp alone.
 - **Seams.** SNAC's decoder is not causal: a sample depends on about 3 frames on each side. Every chunk is
   decoded with up to `left_context_frames` frames before it, so its first sample equals the whole-sequence
   decode. A chunk that starts at frame `lookahead_from_frame` or later also waits for `lookahead_frames`
@@ -22,7 +32,7 @@ which samples of the decoded window to send:
   exactly `initial_frames`. The final chunk is exact (there is no future), and so is an early chunk that
   ends the unit when the frames that end it arrive marked `final`; one cut before the unit's end was known
   (a unit of 1-2 frames, or of exactly a per-session first chunk) ends on the stand-in. Chunk boundaries
-  are a pure function of frame counts, never of timing.
+  are a function of frame counts and, when paced, of the times `push` was given.
 
 `SnacCodec` loads a SNAC model from a local folder (`config.json` + `pytorch_model.bin`, the layout of
 hubertsiuzdak/snac_24khz) and decodes batches of equal-length windows; on a GPU in float16 through CUDA
@@ -51,7 +61,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 from voicewire.adapters.base import FloatAudio
-from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLES_PER_FRAME, CodeFrames
+from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLE_RATE, SAMPLES_PER_FRAME, CodeFrames
 
 T = TypeVar("T")
 log = logging.getLogger("voicewire.talker")
@@ -68,6 +78,11 @@ class ChunkPolicy:
     lookahead_frames: int = 1
     lookahead_from_frame: int = 2
     pad_frames: int = 1
+    margin_s: float = 0.08
+    """Paced streams: how long before the listener runs dry a chunk must be cut (codec queue and decode, the
+    hand-back and the socket); the measured time between two arrivals of frames is added."""
+    pace_smoothing: float = 0.25
+    """Weight of the newest inter-arrival time in the talker's measured seconds per frame."""
 
     def __post_init__(self) -> None:
         if self.initial_frames < 1 or self.steady_frames < 1:
@@ -76,6 +91,8 @@ class ChunkPolicy:
             raise ValueError("growth must be in (0, 1]")
         if min(self.left_context_frames, self.lookahead_frames, self.pad_frames) < 0:
             raise ValueError("context and pad frames must be >= 0")
+        if self.margin_s < 0 or not 0 < self.pace_smoothing <= 1:
+            raise ValueError("margin_s must be >= 0 and pace_smoothing in (0, 1]")
 
     def next_size(self, sent: int) -> int:
         """Frames in the chunk after the first `sent` frames (the ramp; see the module doc)."""
@@ -112,29 +129,81 @@ class ChunkStreamer:
     _total: int = 0
     _next: int = 0
     _codes: CodeFrames | None = None
+    _played_from: float | None = None
+    """Paced: when the first chunk was cut (the listener's clock starts there)."""
+    _last_arrival: float | None = None
+    _frame_s: float | None = None
+    """Paced: the talker's measured seconds per frame (smoothed)."""
+    _gap_s: float | None = None
+    """Paced: the measured seconds between two arrivals of frames (smoothed): how long the next chance to cut
+    may be away."""
 
-    def push(self, frames: CodeFrames, final: bool = False) -> list[DecodeWindow]:
+    def push(self, frames: CodeFrames, final: bool = False, now: float | None = None) -> list[DecodeWindow]:
         """Add `frames`; `final` says no frame follows them (a chunk ending the unit then needs no stand-in
-        future). Call `finish()` after the last push either way."""
+        future); `now` (seconds, any monotonic clock, the same for every call) paces the schedule by the
+        listener's clock and the talker's speed (module doc). Call `finish()` after the last push either way."""
         if len(frames):
             self._frames.append(frames)
             self._total += len(frames)
             self._codes = None
+            if now is not None:
+                self._measure_pace(len(frames), now)
         due: list[DecodeWindow] = []
-        while True:
-            size = self.initial_frames if self._next == 0 else self.policy.next_size(self._next)
+        while self._next < self._total:
+            first = self._next == 0
+            size = self.initial_frames if first else max(self.policy.next_size(self._next), self._affordable(now))
             lookahead = self.policy.lookahead_frames if self._next >= self.policy.lookahead_from_frame else 0
-            if self._total < self._next + size + lookahead:
-                return due
-            ends_unit = final and self._next + size == self._total
+            if self._total >= self._next + size + lookahead:
+                end = self._next + size
+            elif not first and self._running_dry(now):
+                end, lookahead = self._total, 0  # what is there, now: the audio before it is about to run out
+            else:
+                break
+            ends_unit = final and end == self._total
             pad = self.policy.pad_frames if lookahead < self.policy.lookahead_frames and not ends_unit else 0
-            due.append(self._window(self._next + size, lookahead, pad))
+            due.append(self._window(end, lookahead, pad))
+            if first and now is not None:
+                self._played_from = now
+        return due
 
     def finish(self) -> list[DecodeWindow]:
         """The rest of the unit, exactly (nothing stands in for a future): the frames no chunk covered yet."""
         if self._next >= self._total:
             return []
         return [self._window(self._total, 0, 0)]
+
+    def _measure_pace(self, frames: int, now: float) -> None:
+        if self._last_arrival is not None:
+            gap = max(0.0, now - self._last_arrival)
+            self._frame_s = self._smooth(self._frame_s, gap / frames)
+            self._gap_s = self._smooth(self._gap_s, gap)
+        self._last_arrival = now
+
+    def _smooth(self, average: float | None, sample: float) -> float:
+        weight = self.policy.pace_smoothing
+        return sample if average is None else (1 - weight) * average + weight * sample
+
+    def _buffer_left(self, now: float | None) -> float | None:
+        """Paced: seconds of audio cut so far that the listener has not played yet at `now` (None unpaced)."""
+        if now is None or self._played_from is None:
+            return None
+        return self._played_from + self._next * SAMPLES_PER_FRAME / SAMPLE_RATE - now
+
+    def _running_dry(self, now: float | None) -> bool:
+        left = self._buffer_left(now)
+        # Until a second arrival shows the talker's pace, any wait may be too long: cut what is in hand.
+        return left is not None and (self._gap_s is None or left <= self.policy.margin_s + self._gap_s)
+
+    def _affordable(self, now: float | None) -> int:
+        """Paced: the largest next chunk whose missing frames the talker makes, at its measured pace, before
+        the audio cut so far has played less the margin (0 when unpaced or unknown)."""
+        left = self._buffer_left(now)
+        if left is None or not self._frame_s:
+            return 0
+        lookahead = self.policy.lookahead_frames if self._next >= self.policy.lookahead_from_frame else 0
+        makeable = int((left - self.policy.margin_s) / self._frame_s)
+        in_hand = self._total - self._next - lookahead
+        return min(max(in_hand + makeable, 0), self.policy.steady_frames)
 
     def _window(self, end: int, lookahead: int, pad: int) -> DecodeWindow:
         start = self._next
