@@ -20,7 +20,9 @@ which samples of the decoded window to send:
   `margin_s` plus the time to the next arrival of frames, the frames in hand go out at once as a chunk (a
   slow talker under load: a chunk is never later than the audio before it, for any real-time factor
   under 1, where the ramp alone runs dry past about 0.66). Until the pace is known (one arrival), frames
-  in hand after the first chunk go out at once. Without `now` the schedule is the ramp alone.
+  in hand after the first chunk go out at once. A talker slower than real time gets no early cuts: the
+  listener hears a gap either way, and the ramp's larger chunks keep the codec from adding to the load
+  that slowed it. Without `now` the schedule is the ramp alone.
 - **Seams.** SNAC's decoder is not causal: a sample depends on about 3 frames on each side. Every chunk is
   decoded with up to `left_context_frames` frames before it, so its first sample equals the whole-sequence
   decode. A chunk that starts at frame `lookahead_from_frame` or later also waits for `lookahead_frames`
@@ -65,6 +67,7 @@ from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLE_RATE, SAMPL
 
 T = TypeVar("T")
 log = logging.getLogger("voicewire.talker")
+_FRAME_SECONDS = SAMPLES_PER_FRAME / SAMPLE_RATE
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,12 +190,17 @@ class ChunkStreamer:
         """Paced: seconds of audio cut so far that the listener has not played yet at `now` (None unpaced)."""
         if now is None or self._played_from is None:
             return None
-        return self._played_from + self._next * SAMPLES_PER_FRAME / SAMPLE_RATE - now
+        return self._played_from + self._next * _FRAME_SECONDS - now
 
     def _running_dry(self, now: float | None) -> bool:
         left = self._buffer_left(now)
-        # Until a second arrival shows the talker's pace, any wait may be too long: cut what is in hand.
-        return left is not None and (self._gap_s is None or left <= self.policy.margin_s + self._gap_s)
+        if left is None:
+            return False
+        if self._gap_s is None:
+            return True  # until a second arrival shows the talker's pace, any wait may be too long
+        if self._frame_s is not None and self._frame_s >= _FRAME_SECONDS:
+            return False  # slower than real time: a gap comes anyway; chunks of the ramp's size cost less codec work
+        return left <= self.policy.margin_s + self._gap_s
 
     def _affordable(self, now: float | None) -> int:
         """Paced: the largest next chunk whose missing frames the talker makes, at its measured pace, before

@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import statistics
 import sys
 import tempfile
 import time
@@ -231,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec-dtype", default="auto")
     parser.add_argument("--no-codec-graphs", action="store_true")
     parser.add_argument("--no-micro", action="store_true", help="skip the codec micro-benchmark")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per level (after one warm-up)")
     args = parser.parse_args(argv)
     levels = [(int(c.split(":")[0]), int(c.split(":")[1]) if ":" in c else None)
               for c in args.concurrency.split(",")]
@@ -259,57 +261,71 @@ def main(argv: list[str] | None = None) -> int:
           f"{codec.dtype}, {codec.graph_shapes} CUDA graphs)", flush=True)
     results.update(engine_start_s=started_s, unit_frames=engine.unit_frames(TEXT), codec_dtype=codec.dtype,
                    codec_graphs=codec.graph_shapes)
-    rows, stage_rows = [], []
+    rows, stage_rows, summary = [], [], []
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
         for number, (conc, initial) in enumerate(levels):
             label = f"{conc}" if initial is None else f"{conc} (1st chunk {initial})"
-            seed0 = 1000 * (number + 1)
             clients.submit(run_clients, server.ws_url, conc, WARM_TEXT, initial).result()
             server.call(lambda c=conc: raw_talker(engine, c, WARM_TEXT, f"warm{c}"), timeout=600)
-            before = engine.stats
-            engine.trace(True)
-            got = clients.submit(run_clients, server.ws_url, conc, TEXT, initial, seed0).result()["streams"]
-            trace = engine.trace(False)
-            after = engine.stats
-            raw = server.call(lambda c=conc, n=number: raw_talker(engine, c, TEXT, f"m{n}"), timeout=600)
-            streams = [play(sent, arrivals) for sent, arrivals, _ in got]
-            first_sent = min(sent for sent, _, _ in got)
-            last_byte = max(arrivals[-1][0] for _, arrivals, _ in got)
-            split = stages(got, trace, seed0)
-            stall_at: dict[int, int] = {}
-            for st in streams:
-                for index in st.stall_chunks:
-                    stall_at[index] = stall_at.get(index, 0) + 1
-            a, b = after.codec, before.codec
-            level = {
-                "concurrency": conc, "initial_frames": initial,
-                "ttfa_ms": [s.ttfa_ms for s in streams], "rtf": [s.rtf for s in streams],
-                "stall_s": [s.stall_s for s in streams], "stalls": [s.stalls for s in streams],
-                "stall_chunk_index": stall_at,
-                "audio_s_per_wall_s": sum(s.audio_s for s in streams) / (last_byte - first_sent),
-                "raw_first_frame_ms": [r[0] for r in raw], "raw_rtf": [r[1] for r in raw],
-                "server_first_audio_ms": [f for _, _, f in got if f is not None],
-                "stages_ms": split,
-                "codec_batches": a.batches - b.batches, "codec_windows": a.windows - b.windows,
-                "codec_decode_s": a.decode_s - b.decode_s, "codec_max_decode_ms": a.max_decode_ms,
-                "codec_late_windows": a.late - b.late, "codec_max_batch": a.max_batch,
-                "codec_fallbacks": codec.fallbacks, "peak_running": after.peak_running,
-            }
-            results["levels"].append(level)
-            ttfa, raw_first = level["ttfa_ms"], level["raw_first_frame_ms"]
-            stalled = [s for s in streams if s.stalls]
-            worst = max((s.stall_s for s in streams), default=0.0)
-            rows.append([label, f"{percentile(ttfa, 50):.0f} / {percentile(ttfa, 95):.0f}",
-                         f"{percentile(raw_first, 50):.0f}", f"{percentile(ttfa, 50) / percentile(raw_first, 50):.2f}",
-                         f"{percentile(level['rtf'], 50):.3f}", f"{percentile(level['raw_rtf'], 50):.3f}",
-                         f"{len(stalled)} of {conc}",
-                         f"{sum(s.stall_s for s in streams):.2f} (max {1000 * worst:.0f} ms)",
-                         ",".join(f"#{k}:{v}" for k, v in sorted(stall_at.items())) or "-",
-                         f"{level['audio_s_per_wall_s']:.1f}",
-                         f"{level['codec_windows'] / max(level['codec_batches'], 1):.1f}",
-                         f"{1000 * level['codec_decode_s'] / max(level['codec_batches'], 1):.1f}"])
-            stage_rows.append([label, *(f"{percentile(split[name], 50):.1f}" for name, _, _ in STAGES),
-                               f"{percentile(level['server_first_audio_ms'], 50):.1f}"])
+            rounds = []
+            for round_ in range(args.rounds):
+                seed0 = 1000 * (args.rounds * number + round_ + 1)
+                before = engine.stats
+                engine.trace(True)
+                got = clients.submit(run_clients, server.ws_url, conc, TEXT, initial, seed0).result()["streams"]
+                trace = engine.trace(False)
+                after = engine.stats
+                raw = server.call(lambda c=conc, n=number, r=round_: raw_talker(engine, c, TEXT, f"m{n}r{r}"),
+                                  timeout=600)
+                streams = [play(sent, arrivals) for sent, arrivals, _ in got]
+                first_sent = min(sent for sent, _, _ in got)
+                last_byte = max(arrivals[-1][0] for _, arrivals, _ in got)
+                split = stages(got, trace, seed0)
+                stall_at: dict[int, int] = {}
+                for st in streams:
+                    for index in st.stall_chunks:
+                        stall_at[index] = stall_at.get(index, 0) + 1
+                a, b = after.codec, before.codec
+                level = {
+                    "concurrency": conc, "initial_frames": initial, "round": round_,
+                    "ttfa_ms": [s.ttfa_ms for s in streams], "rtf": [s.rtf for s in streams],
+                    "stall_s": [s.stall_s for s in streams], "stalls": [s.stalls for s in streams],
+                    "stall_chunk_index": stall_at,
+                    "audio_s_per_wall_s": sum(s.audio_s for s in streams) / (last_byte - first_sent),
+                    "raw_first_frame_ms": [r[0] for r in raw], "raw_rtf": [r[1] for r in raw],
+                    "server_first_audio_ms": [f for _, _, f in got if f is not None],
+                    "stages_ms": split,
+                    "codec_batches": a.batches - b.batches, "codec_windows": a.windows - b.windows,
+                    "codec_decode_s": a.decode_s - b.decode_s, "codec_max_decode_ms": a.max_decode_ms,
+                    "codec_late_windows": a.late - b.late, "codec_max_batch": a.max_batch,
+                    "codec_fallbacks": codec.fallbacks, "peak_running": after.peak_running,
+                }
+                results["levels"].append(level)
+                rounds.append(level)
+                ttfa, raw_first = level["ttfa_ms"], level["raw_first_frame_ms"]
+                stalled = [s for s in streams if s.stalls]
+                worst = max((s.stall_s for s in streams), default=0.0)
+                rows.append([f"{label} r{round_ + 1}", f"{percentile(ttfa, 50):.0f} / {percentile(ttfa, 95):.0f}",
+                             f"{percentile(raw_first, 50):.0f}",
+                             f"{percentile(ttfa, 50) / percentile(raw_first, 50):.2f}",
+                             f"{percentile(level['rtf'], 50):.3f}", f"{percentile(level['raw_rtf'], 50):.3f}",
+                             f"{len(stalled)} of {conc}",
+                             f"{sum(s.stall_s for s in streams):.2f} (max {1000 * worst:.0f} ms)",
+                             ",".join(f"#{k}:{v}" for k, v in sorted(stall_at.items())) or "-",
+                             f"{level['audio_s_per_wall_s']:.1f}",
+                             f"{level['codec_windows'] / max(level['codec_batches'], 1):.1f}",
+                             f"{1000 * level['codec_decode_s'] / max(level['codec_batches'], 1):.1f}"])
+                stage_rows.append([f"{label} r{round_ + 1}",
+                                   *(f"{percentile(split[name], 50):.1f}" for name, _, _ in STAGES),
+                                   f"{percentile(level['server_first_audio_ms'], 50):.1f}"])
+            summary.append([label, len(rounds), spread([percentile(r["ttfa_ms"], 50) for r in rounds]),
+                            spread([percentile(r["ttfa_ms"], 95) for r in rounds]),
+                            spread([percentile(r["rtf"], 50) for r in rounds], "{:.3f}"),
+                            " ".join(str(sum(1 for n in r["stalls"] if n)) for r in rounds),
+                            " ".join(f"{sum(r['stall_s']):.2f}" for r in rounds),
+                            spread([r["audio_s_per_wall_s"] for r in rounds], "{:.1f}"),
+                            spread([percentile(r["stages_ms"]["client -> engine call"], 95) for r in rounds],
+                                   "{:.1f}")])
             print(f"concurrency {label} done", flush=True)
     server.stop()
     header = ["conc", "TTFA p50 / p95 ms", "raw talker 1st frame p50 ms", "TTFA / raw", "RTF p50",
@@ -319,10 +335,19 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("first-chunk stages, p50 ms:")
     print(table(["conc", *(name for name, _, _ in STAGES), "server commit -> socket"], stage_rows))
+    print()
+    print("summary over rounds: median [min-max] of each round's figure; stalls listed per round")
+    print(table(["conc", "rounds", "TTFA p50 ms", "TTFA p95 ms", "RTF p50", "streams with a stall, per round",
+                 "stall s, per round", "audio s per wall s", "client -> engine call p95 ms"], summary))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "talker_gpu.json").write_text(json.dumps(results, indent=1))
     return 0
+
+
+def spread(values: list[float], fmt: str = "{:.0f}") -> str:
+    """`median [min-max]` of one figure over rounds."""
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
 
 
 def _cuda() -> bool:

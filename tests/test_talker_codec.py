@@ -197,6 +197,15 @@ def test_a_fast_talker_gets_larger_chunks_sooner() -> None:
     assert max(w.chunk_frames for w in paced) <= ChunkPolicy().steady_frames
 
 
+def test_a_talker_slower_than_real_time_gets_no_more_codec_windows_than_the_ramp() -> None:
+    """Behind real time the listener hears gaps whatever the schedule; cutting every frame as it comes would
+    multiply codec work on a device that is already the bottleneck."""
+    frames = random_frames(115)
+    paced, _ = paced_playback(ChunkPolicy(), frames, 1.3, decode_s=0.05)
+    ramp, _ = paced_playback(ChunkPolicy(), frames, 1.3, decode_s=0.05, paced=False)
+    assert len(paced) <= len(ramp) + 2
+
+
 def test_paced_chunks_decode_like_the_whole_sequence(codec: SnacCodec) -> None:
     """Chunks cut early for a slow talker end on a stand-in future, as first chunks do: the stream stays
     within the schedule's seam tolerance of the whole-sequence decode."""
