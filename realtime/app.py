@@ -22,6 +22,7 @@ from pathlib import Path
 from aiohttp import web
 from voicewire.adapters.base import Engine
 from voicewire.adapters.registry import create_engine
+from voicewire.adapters.workers import PoolHealth, pool_health
 from voicewire.realtime.auth import IDENTITY, AccessControl, Identity, access_middleware
 from voicewire.realtime.context import ServerContext
 from voicewire.realtime.openai_errors import OpenAIError
@@ -47,6 +48,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     ctx = ServerContext(settings=settings, engine=engine, access=access)
     app = web.Application(client_max_size=settings.max_config_bytes, middlewares=[access_middleware(access)])
     app[CONTEXT] = ctx
+    ctx.metrics.engine_workers.read = lambda: pool_health(engine)
     app.cleanup_ctx.append(_engine_lifecycle)
     app.cleanup_ctx.append(_key_rotation)
     app.on_shutdown.append(_shutdown_sessions)
@@ -130,12 +132,25 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Readiness: the engine is loaded and warm and the server is not shutting down."""
+    """Readiness: the engine is loaded and warm, at least one of its worker processes is live (when it runs
+    in workers), and the server is not shutting down. Reports the workers' states either way."""
     ctx = request.app[CONTEXT]
+    workers = pool_health(ctx.engine)
+    report = {} if workers is None else {"engine_workers": _workers_report(workers)}
     if not ctx.ready or ctx.shutting_down:
-        return web.json_response({"status": "not ready"}, status=503)
-    return web.json_response({"status": "ready", "engine": ctx.engine.info.name,
+        return web.json_response({"status": "not ready", **report}, status=503)
+    if workers is not None and workers.live == 0:
+        return web.json_response({"status": "not ready", "reason": "no engine worker is live; they are being "
+                                  "restarted", **report}, status=503)
+    return web.json_response({"status": "ready", "engine": ctx.engine.info.name, **report,
                               "sessions": len(ctx.sessions), "max_sessions": ctx.settings.max_sessions})
+
+
+def _workers_report(health: PoolHealth) -> dict[str, object]:
+    """Worker counts by state, requests waiting for a worker, restarts, and each slot's state and deaths in a
+    row (no process ids: `/ready` is public)."""
+    return {**health.counts(), "waiting": health.waiting, "restarts": health.restarts,
+            "slots": [{"state": s.state, "failures": s.failures} for s in health.slots]}
 
 
 async def speech_stream(request: web.Request) -> web.StreamResponse:

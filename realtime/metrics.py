@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from voicewire.adapters.workers import PoolHealth
 
 TTFA_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 
@@ -34,5 +39,29 @@ class Metrics:
                                       "asyncio tasks alive on the server's event loop (read at scrape time)",
                                       registry=r)
 
+        self.engine_workers = _EngineWorkers()
+        r.register(self.engine_workers)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineWorkers(Collector):
+    """`voicewire_engine_workers{state}` and `voicewire_worker_restarts_total`, read from the engine's worker
+    pool at scrape time (`read`, set by the app; nothing is exported for an in-process engine)."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], PoolHealth | None] = lambda: None
+
+    def collect(self) -> Iterator[Metric]:
+        health = self.read()
+        if health is None:
+            return
+        workers = GaugeMetricFamily("voicewire_engine_workers", "Engine worker processes by state", labels=["state"])
+        for state, count in health.counts().items():
+            workers.add_metric([state], count)
+        yield workers
+        yield GaugeMetricFamily("voicewire_engine_requests_waiting_for_worker",
+                                "Engine requests waiting for a live worker with a free slot", value=health.waiting)
+        yield CounterMetricFamily("voicewire_worker_restarts", "Engine worker processes started to replace one "
+                                  "that died or was killed", value=health.restarts)

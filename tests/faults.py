@@ -2,17 +2,26 @@
 
 It wraps a real engine and passes every request through, except those whose text carries a marker:
 `[raise]` yields the real engine's first piece and then raises; `[raise-first]` raises before any audio;
-`[hang]` yields nothing and never finishes until cancelled. The marker is removed from the text the real
-engine sees. `hung_cancelled` counts hung requests that were cancelled (observable engine stop).
+`[hang]` yields nothing and never finishes until cancelled; `[burn]` spins a core on a thread that no cancel
+stops (like a native text-processing stage) for `BURN_S`, for worker-process tests only. The marker is removed
+from the text the real engine sees. `hung_cancelled` counts hung requests that were cancelled (observable
+engine stop). With `refuse_start_while` set, `start()` fails while that file exists (a worker that cannot
+come back). `fault_injecting_hibari` builds one around hibari inside an engine worker process
+(`ProcessEngine(build=...)`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import replace
+from pathlib import Path
 
 from voicewire.adapters.base import AudioPiece, Engine, EngineInfo, SynthesisRequest
+from voicewire.adapters.hibari import HibariEngine
+
+BURN_S = 600.0
 
 
 class InjectedFault(RuntimeError):
@@ -20,9 +29,10 @@ class InjectedFault(RuntimeError):
 
 
 class FaultInjectingEngine:
-    def __init__(self, inner: Engine) -> None:
+    def __init__(self, inner: Engine, *, refuse_start_while: Path | None = None) -> None:
         self.inner = inner
         self.hung_cancelled = 0
+        self.refuse_start_while = refuse_start_while
 
     @property
     def info(self) -> EngineInfo:
@@ -33,6 +43,8 @@ class FaultInjectingEngine:
         return getattr(self.inner, "stats")  # noqa: B009 (the inner engine's own counters)
 
     async def start(self) -> None:
+        if self.refuse_start_while is not None and self.refuse_start_while.exists():
+            raise InjectedFault(f"injected start failure: {self.refuse_start_while} exists")
         await self.inner.start()
 
     async def close(self) -> None:
@@ -46,6 +58,8 @@ class FaultInjectingEngine:
             except asyncio.CancelledError:
                 self.hung_cancelled += 1
                 raise
+        if "[burn]" in text:
+            await asyncio.to_thread(_burn, BURN_S)
         if "[raise-first]" in text:
             raise InjectedFault("injected engine fault before any audio")
         clean = replace(request, text=text.replace("[raise]", ""))
@@ -57,3 +71,16 @@ class FaultInjectingEngine:
                 raise InjectedFault("injected engine fault mid-unit")
         if "[raise]" in text and not sent:
             raise InjectedFault("injected engine fault mid-unit")
+
+
+def _burn(seconds: float) -> None:
+    """Keep a core busy for `seconds`, checking nothing else (no cancel can reach it)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def fault_injecting_hibari(refuse_start_while: str | None = None) -> Engine:
+    """A `FaultInjectingEngine` around a one-thread hibari, for `ProcessEngine(build=functools.partial(...))`."""
+    return FaultInjectingEngine(HibariEngine(),
+                                refuse_start_while=None if refuse_start_while is None else Path(refuse_start_while))
