@@ -95,12 +95,15 @@ class WorkerTimings:
 
 @dataclass(frozen=True, slots=True)
 class WorkerStats:
-    """Requests by outcome, across all workers, plus how many workers were restarted after dying."""
+    """Requests by outcome, across all workers; `confirmed`: cancels a worker confirmed stopped (the rest of
+    `cancelled` went with a worker that died or was replaced, or are still unconfirmed); `restarts`: workers
+    started to replace one that died or was killed."""
 
     started: int = 0
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
+    confirmed: int = 0
     restarts: int = 0
 
 
@@ -418,7 +421,7 @@ class ProcessEngine:
             return
         log.error("engine worker %d (pid %s) %s; killing and replacing it", worker.slot, worker.process.pid, why)
         worker.live = False
-        worker.fate = f"was replaced (it {why})"
+        worker.fate = f"{why} and was killed"
         worker.process.kill()
 
     async def _watch(self) -> None:
@@ -453,14 +456,16 @@ class ProcessEngine:
                 await self._back_off(slot, f"could not be spawned ({exc})")
                 continue
             slot.worker = worker
+            polite = False  # ask it to stop (it may take STOP_GRACE_S) rather than kill it at once
             try:
                 try:
                     info = await asyncio.wait_for(asyncio.shield(worker.ready), t.start_timeout_s)
                 except Exception as exc:
+                    polite = not isinstance(exc, TimeoutError)  # it reported its failure and is exiting
                     if not first.done():
                         first.set_exception(exc)
                         return
-                    worker.fate = f"did not start ({exc or type(exc).__name__})"
+                    worker.fate = f"did not start ({str(exc) or f'not warm within {t.start_timeout_s:g} s'})"
                 else:
                     if not worker.exited.is_set():
                         self._on_live(slot, worker, info, first)
@@ -470,7 +475,7 @@ class ProcessEngine:
                             slot.failures = 0  # it stayed up: its next death is a first one
                             await worker.exited.wait()
             finally:
-                ended = await self._reap(worker, graceful=self._closing)
+                ended = await self._reap(worker, graceful=polite or self._closing)
                 slot.worker = None
             await self._back_off(slot, f"(pid {ended.pid}) {worker.fate} with exit code {ended.exitcode}")
 
@@ -514,13 +519,15 @@ class ProcessEngine:
         return worker
 
     async def _reap(self, worker: _Worker, *, graceful: bool) -> _Ended:
-        """Make sure `worker` is gone (asked to stop first when `graceful`, killed otherwise or after
-        `STOP_GRACE_S`), then join it and close its pipe and sentinel. Only then may its slot start another."""
+        """Make sure `worker` is gone, then join it and close its pipe and sentinel; only then may its slot
+        start another. When `graceful`, a live worker is asked to stop, and one that was asked or reported a
+        failed start gets `STOP_GRACE_S` to exit; any other is killed."""
+        if graceful and worker.live:
+            worker.live = False
+            with contextlib.suppress(OSError):
+                worker.conn.send(Stop())
         if not worker.exited.is_set():
-            if graceful and worker.live:
-                worker.live = False
-                with contextlib.suppress(OSError):
-                    worker.conn.send(Stop())
+            if graceful and worker.ready.done():  # told to stop, or it reported a failed start: it exits
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(worker.exited.wait(), STOP_GRACE_S)
             if not worker.exited.is_set():
@@ -565,6 +572,7 @@ class ProcessEngine:
                 timer = worker.cancelling.pop(rid, None)
                 if timer is not None:
                     timer.cancel()
+                    self._count(confirmed=1)
                     self._notify()
             case Heartbeat():
                 pass
