@@ -324,6 +324,8 @@ class ProcessEngine:
         firsts: list[asyncio.Future[EngineInfo]] = [loop.create_future() for _ in self._slots]
         self._supervisors = [loop.create_task(self._supervise(slot, first), name=f"voicewire-worker-{slot.index}")
                              for slot, first in zip(self._slots, firsts, strict=True)]
+        for task, first in zip(self._supervisors, firsts, strict=True):
+            task.add_done_callback(functools.partial(_supervisor_ended, first))
         self._watchdog = loop.create_task(self._watch(), name="voicewire-worker-watchdog")
         try:
             infos = await asyncio.gather(*firsts)
@@ -351,8 +353,8 @@ class ProcessEngine:
             try:
                 worker.conn.send(Synth(rid, request))
                 break
-            except OSError:
-                continue  # it died just now; its exit is being handled, the request waits for another
+            except OSError:  # it died just now (its exit is on its way): wait for another
+                worker.live = False
         worker.inflight[rid] = queue
         self._count(started=1)
         outcome = "cancelled"
@@ -475,8 +477,15 @@ class ProcessEngine:
                             slot.failures = 0  # it stayed up: its next death is a first one
                             await worker.exited.wait()
             finally:
-                ended = await self._reap(worker, graceful=polite or self._closing)
-                slot.worker = None
+                # Not interrupted by close(): a half-reaped worker would leak its process and pipe.
+                reaping = asyncio.ensure_future(self._reap(worker, graceful=polite or self._closing))
+                try:
+                    ended = await asyncio.shield(reaping)
+                except asyncio.CancelledError:
+                    await reaping
+                    raise
+                finally:
+                    slot.worker = None
             await self._back_off(slot, f"(pid {ended.pid}) {worker.fate} with exit code {ended.exitcode}")
 
     async def _back_off(self, slot: _Slot, what: str) -> None:
@@ -596,6 +605,15 @@ class ProcessEngine:
         self._stats = WorkerStats(**{k: getattr(s, k) + delta.get(k, 0) for k in WorkerStats.__dataclass_fields__})
 
 
+def _supervisor_ended(first: asyncio.Future[EngineInfo], task: asyncio.Task[None]) -> None:
+    """A supervisor ends only on close or a failed first start; anything else is a bug, logged, and must
+    not leave `start()` waiting."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("engine worker supervisor failed", exc_info=exc)
+        if not first.done():
+            first.set_exception(exc)
+
+
 # -- the child process -------------------------------------------------------------------------------
 
 
@@ -644,9 +662,10 @@ async def _serve(conn: Connection, build: Callable[[], Engine], heartbeat_s: flo
         send(Cancelled(rid))
 
     async def beat() -> None:
-        while True:
-            send(Heartbeat())
-            await asyncio.sleep(heartbeat_s)
+        with contextlib.suppress(OSError):  # the parent is gone: the receive loop sees EOF and ends
+            while True:
+                send(Heartbeat())
+                await asyncio.sleep(heartbeat_s)
 
     def spawn(coro: Coroutine[None, None, None]) -> None:
         task = loop.create_task(coro)
