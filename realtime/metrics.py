@@ -30,6 +30,14 @@ class Metrics:
                                 ["route", "status"], registry=r)
         self.rest_in_flight = Gauge("voicewire_rest_speech_in_flight", "REST speech requests synthesizing now",
                                     registry=r)
+        self.key_reload_failures = Counter("voicewire_api_key_reload_failures",
+                                           "Reads of the API key file that failed (the last good keys stay)",
+                                           registry=r)
+        self.keys_stale = Gauge("voicewire_api_keys_stale",
+                                "1 while the API key file cannot be read and the last good keys are in force",
+                                registry=r)
+        self.sessions_revoked = Counter("voicewire_sessions_revoked",
+                                        "WebSocket sessions closed because their API key was revoked", registry=r)
         self.event_loop_tasks = Gauge("voicewire_event_loop_tasks",
                                       "asyncio tasks alive on the server's event loop (read at scrape time)",
                                       registry=r)

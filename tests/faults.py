@@ -1,6 +1,6 @@
-"""A fault-injecting engine wrapper for reliability tests (a named stand-in, never a working engine).
+"""Engine wrappers for reliability tests (named stand-ins, never working engines): faults and slowness.
 
-It wraps a real engine and passes every request through, except those whose text carries a marker:
+`FaultInjectingEngine` wraps a real engine and passes every request through, except those whose text carries a marker:
 `[raise]` yields the real engine's first piece and then raises; `[raise-first]` raises before any audio;
 `[hang]` yields nothing and never finishes until cancelled. The marker is removed from the text the real
 engine sees. `hung_cancelled` counts hung requests that were cancelled (observable engine stop).
@@ -9,6 +9,7 @@ engine sees. `hung_cancelled` counts hung requests that were cancelled (observab
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import replace
 
@@ -57,3 +58,33 @@ class FaultInjectingEngine:
                 raise InjectedFault("injected engine fault mid-unit")
         if "[raise]" in text and not sent:
             raise InjectedFault("injected engine fault mid-unit")
+
+
+class PacedEngine:
+    """A slower engine for capacity tests (a named stand-in): passes a real engine's pieces through, but
+    never more than `speed` seconds of audio per second of wall time (it sleeps before a piece that would
+    come early), so one engine slot sustains `speed` real-time streams, whatever the machine."""
+
+    def __init__(self, inner: Engine, speed: float) -> None:
+        self.inner = inner
+        self.speed = speed
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.inner.info
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        produced_s = 0.0
+        async with contextlib.aclosing(self.inner.synthesize(request)) as pieces:
+            async for piece in pieces:
+                produced_s += len(piece.samples) / piece.sample_rate
+                await asyncio.sleep(max(0.0, started + produced_s / self.speed - loop.time()))
+                yield piece
