@@ -31,6 +31,7 @@ from voicewire.adapters.base import Engine
 from voicewire.adapters.registry import create_engine
 from voicewire.protocol.session import CLOSE_POLICY
 from voicewire.realtime.auth import IDENTITY, AccessControl, Identity, access_middleware
+from voicewire.realtime.bodies import body_deadline_middleware
 from voicewire.realtime.context import ServerContext
 from voicewire.realtime.openai_errors import OpenAIError
 from voicewire.realtime.rest import add_rest_routes
@@ -88,6 +89,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.router.add_get("/ready", ready)
     app.router.add_get("/v1/audio/speech/stream", speech_stream)
     add_rest_routes(app, ctx)
+    app.middlewares.append(body_deadline_middleware(access))  # innermost: it answers a body's timeout itself
     add_client_routes(app)
     return app
 

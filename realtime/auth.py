@@ -207,7 +207,7 @@ class AccessControl:
 
     def identify(self, request: web.Request) -> Identity:
         """Check the key (raises a 401 `OpenAIError`) and the origin (403); return who it is."""
-        address = self._address(request)
+        address = self.address(request)
         if not self.enabled:
             return Identity(None, address)
         presented = _bearer(request)
@@ -282,7 +282,8 @@ class AccessControl:
                 raise RateLimited(f"Rate limit reached ({self.settings.rest_requests_per_minute:g} requests per "
                                   "minute); retry after the Retry-After header's seconds", wait, "rate_limited")
 
-    def _address(self, request: web.Request) -> str:
+    def address(self, request: web.Request) -> str:
+        """The client address limits count against (see `trust_forwarded_for`)."""
         if self.settings.trust_forwarded_for:
             forwarded = request.headers.get("X-Forwarded-For")
             if forwarded:
