@@ -30,11 +30,12 @@ from aiohttp import web
 from voicewire.adapters.base import Engine
 from voicewire.adapters.registry import create_engine
 from voicewire.protocol.session import CLOSE_POLICY
+from voicewire.realtime import admission
 from voicewire.realtime.auth import IDENTITY, AccessControl, Identity, access_middleware
 from voicewire.realtime.bodies import body_deadline_middleware
 from voicewire.realtime.context import ServerContext
 from voicewire.realtime.openai_errors import OpenAIError
-from voicewire.realtime.rest import add_rest_routes
+from voicewire.realtime.rest import REST, add_rest_routes
 from voicewire.realtime.session import SessionRuntime
 from voicewire.realtime.settings import Settings
 
@@ -52,6 +53,7 @@ DRAIN_POLL_S = 0.05
 class AppState:
     """What the WebSocket route and the signal handlers keep beside the server context."""
 
+    admission: admission.Admission
     session_keys: dict[SessionRuntime, str | None] = field(default_factory=dict)
     """The key id each open session authenticated with (None when auth is off)."""
     drain_deadline: float | None = None
@@ -80,7 +82,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     ctx = ServerContext(settings=settings, engine=engine, access=access)
     app = web.Application(client_max_size=settings.max_config_bytes, middlewares=[access_middleware(access)])
     app[CONTEXT] = ctx
-    app[STATE] = AppState()
+    app[STATE] = state = AppState(admission.Admission(ctx.metrics, settings.admission_utilization))
+    ctx.metrics.engine_speed.set_function(lambda: state.admission.measure() or 0.0)
+    ctx.metrics.capacity_streams.set_function(lambda: state.admission.capacity(_slots(ctx)) or 0.0)
+    ctx.metrics.speaking_streams.set_function(lambda: _speaking(app))
     app.on_response_prepare.append(_no_referrer)
     app.cleanup_ctx.append(_engine_lifecycle)
     app.cleanup_ctx.append(_signals_and_key_file)
@@ -187,7 +192,8 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
     """`GET /v1/audio/speech/stream`: one realtime synthesis session per WebSocket.
 
     Refused before the upgrade: not ready (503), over the key's or address's session cap (429). Refused
-    after it, with close code 1013: the server already has `max_sessions` sessions.
+    after it, with close code 1013: the server already has `max_sessions` sessions, or the engine capacity
+    is spoken for (`realtime.admission`).
     """
     ctx = request.app[CONTEXT]
     if not ctx.ready or ctx.shutting_down:
@@ -196,7 +202,7 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
     try:
         ctx.access.open_session(who)
     except OpenAIError as exc:
-        ctx.metrics.sessions_refused.inc()
+        ctx.metrics.sessions_refused.labels("limit").inc()
         return exc.response()
     try:
         # No permessage-deflate: audio barely compresses (about 5 %) and zlib costs ~6 ms per second of audio,
@@ -204,8 +210,13 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
         ws = web.WebSocketResponse(max_msg_size=ctx.settings.max_config_bytes, heartbeat=20.0, compress=False)
         await ws.prepare(request)
         if len(ctx.sessions) >= ctx.settings.max_sessions:
-            ctx.metrics.sessions_refused.inc()
+            ctx.metrics.sessions_refused.labels("full").inc()
             await ws.close(code=CLOSE_TRY_AGAIN_LATER, message=b"server full")
+            return ws
+        if not request.app[STATE].admission.admits(_speaking(request.app), _slots(ctx)):
+            ctx.metrics.sessions_refused.labels("capacity").inc()
+            await ws.close(code=CLOSE_TRY_AGAIN_LATER,
+                           message=f"server at capacity; retry after {admission.RETRY_AFTER_S} s".encode())
             return ws
         runtime = SessionRuntime(ws, ctx)
         ctx.sessions.add(runtime)
@@ -222,6 +233,16 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
         return ws
     finally:
         ctx.access.close_session(who)
+
+
+def _speaking(app: web.Application) -> int:
+    """Admission's demand: sessions with audio to produce or send, and REST speech requests in progress."""
+    ctx = app[CONTEXT]
+    return sum(1 for s in _runtimes(ctx) if s.busy) + app[REST].in_flight
+
+
+def _slots(ctx: ServerContext) -> int:
+    return ctx.scheduler.capacity if ctx.scheduler is not None else 0
 
 
 def _drop_unsent(request: web.Request) -> None:
