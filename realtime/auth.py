@@ -4,13 +4,17 @@
 refused before the upgrade (an HTTP status, never a half-open session).
 
 - API keys come from settings and/or a file (one key per line, `#` comments); the file is re-read on
-  SIGHUP and when its modification time changes, so keys rotate without a restart. A key is presented as
-  `Authorization: Bearer <key>` (REST and WebSocket) or `?token=<key>` (WebSocket upgrades only:
-  browsers cannot set headers there). Keys are compared in constant time against every configured key
-  and never logged; limits and logs use a key id (a short SHA-256 prefix).
-- Browser WebSockets (requests with an `Origin` header) must come from the server's own origin or from
-  `allowed_origins`; this stops cross-site WebSocket hijacking. Clients that send no `Origin` (servers,
-  SDKs) are not browsers and pass.
+  SIGHUP and when its modification time changes, so keys rotate without a restart (`KeyRing` says what a
+  missing file and a removed key do). A key is presented as `Authorization: Bearer <key>` (REST and
+  WebSocket) or `?token=<key>` (WebSocket upgrades only: browsers cannot set headers there). Keys are
+  compared in constant time against every configured key and never logged; limits and logs use a key id
+  (a short SHA-256 prefix), and `AccessLog` redacts `?token=` from the access log.
+- Browser requests (those with an `Origin` header) that open a WebSocket or change state (POST, PUT, PATCH,
+  DELETE) must come from the server's own origin or from `allowed_origins` (403): this stops cross-site
+  WebSocket hijacking and cross-site forms on an open server. The own origin is judged by the address the
+  connection reached, never by the `Host` header (DNS rebinding). Routes that take JSON refuse other body
+  types (415), so a page cannot send them a form or `text/plain` body. Clients that send no `Origin`
+  (servers, SDKs) are not browsers and pass.
 - Per-key and per-IP caps on concurrent WebSocket sessions, and a per-key and per-IP rate of REST
   requests (a token bucket refilled continuously), answer 429 with `Retry-After`.
 
