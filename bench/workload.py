@@ -109,7 +109,8 @@ def _cell(value: object) -> str:
 
 
 class ServerProcess:
-    """`python -m voicewire.realtime --no-auth` on a free loopback port, its log in a temporary file.
+    """`python -m voicewire.realtime --no-auth` on a free loopback port, its log in a temporary file; admission
+    by capacity is off (benchmarks load the engine past it on purpose).
 
     `extra` adds flags; `cpus` pins the server (and the engine processes it spawns) to those cores.
     """
@@ -119,7 +120,8 @@ class ServerProcess:
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile(prefix="voicewire-bench-", suffix=".log", delete=False)
         command = [sys.executable, "-m", "voicewire.realtime", "--port", str(self.port), "--engine", engine,
-                   "--max-sessions", str(max_sessions), "--no-auth", "--log-level", "WARNING", *extra]
+                   "--max-sessions", str(max_sessions), "--admission-utilization", "0", "--no-auth", "--log-level",
+                   "WARNING", *extra]
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
                                      preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         self.pid = self.proc.pid

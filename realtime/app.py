@@ -2,8 +2,13 @@
 
 `create_app(settings, engine)` returns a ready-to-run `web.Application`; the engine is started (loaded and
 warmed) in a cleanup context, so `/ready` turns true only once the first request would be fast, and the
-engine is closed when the app stops. Shutdown (SIGTERM under `voicewire serve`) stops accepting, lets
-sessions finish their audio for up to `shutdown_grace_s`, then closes them with 1001.
+engine is closed when the app stops.
+
+Signals (under `voicewire serve`, handled on the main thread): SIGTERM or SIGINT starts a drain: `/ready`
+answers 503 and new sessions and requests are refused with 503 while the listener stays open, open
+sessions finish their audio for up to `shutdown_grace_s`, then the server stops (closing what is left with
+1001); a second SIGTERM or SIGINT stops it at once. SIGHUP re-reads the API key file (closing the sessions
+of revoked keys once their audio in progress is sent); it never stops the server.
 """
 
 from __future__ import annotations
@@ -16,17 +21,22 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from voicewire.adapters.base import Engine
 from voicewire.adapters.registry import create_engine
 from voicewire.adapters.workers import PoolHealth, pool_health
+from voicewire.protocol.session import CLOSE_POLICY
+from voicewire.realtime import admission
 from voicewire.realtime.auth import IDENTITY, AccessControl, Identity, access_middleware
+from voicewire.realtime.bodies import body_deadline_middleware
 from voicewire.realtime.context import ServerContext
 from voicewire.realtime.openai_errors import OpenAIError
-from voicewire.realtime.rest import add_rest_routes
+from voicewire.realtime.rest import REST, add_rest_routes
 from voicewire.realtime.session import SessionRuntime
 from voicewire.realtime.settings import Settings
 
@@ -37,6 +47,31 @@ CLOSE_GOING_AWAY = 1001
 CLOSE_TRY_AGAIN_LATER = 1013
 KEY_FILE_POLL_S = 2.0
 UNSENT_GRACE_S = 5.0
+DRAIN_POLL_S = 0.05
+
+
+@dataclass(slots=True, eq=False)
+class AppState:
+    """What the WebSocket route and the signal handlers keep beside the server context."""
+
+    admission: admission.Admission
+    session_keys: dict[SessionRuntime, str | None] = field(default_factory=dict)
+    """The key id each open session authenticated with (None when auth is off)."""
+    drain_deadline: float | None = None
+    """Monotonic time by which a drain (SIGTERM) closes what is still open."""
+    exiting: bool = False
+    """The drain is over and the server is stopping; further stop signals are ignored."""
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    """Background work of the signal handlers (the drain, closing revoked sessions)."""
+
+    def spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run `work` as a task held until it ends."""
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+
+STATE: web.AppKey[AppState] = web.AppKey("voicewire_app_state", AppState)
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> web.Application:
@@ -49,13 +84,19 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app = web.Application(client_max_size=settings.max_config_bytes, middlewares=[access_middleware(access)])
     app[CONTEXT] = ctx
     ctx.metrics.engine_workers.read = lambda: pool_health(engine)
+    app[STATE] = state = AppState(admission.Admission(ctx.metrics, settings.admission_utilization))
+    ctx.metrics.engine_speed.set_function(lambda: state.admission.measure() or 0.0)
+    ctx.metrics.capacity_streams.set_function(lambda: state.admission.capacity(_slots(ctx)) or 0.0)
+    ctx.metrics.speaking_streams.set_function(lambda: _speaking(app))
+    app.on_response_prepare.append(_no_referrer)
     app.cleanup_ctx.append(_engine_lifecycle)
-    app.cleanup_ctx.append(_key_rotation)
+    app.cleanup_ctx.append(_signals_and_key_file)
     app.on_shutdown.append(_shutdown_sessions)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/v1/audio/speech/stream", speech_stream)
     add_rest_routes(app, ctx)
+    app.middlewares.append(body_deadline_middleware(access))  # innermost: it answers a body's timeout itself
     add_client_routes(app)
     return app
 
@@ -110,13 +151,22 @@ async def _start_engine(ctx: ServerContext) -> None:
 
 
 async def _shutdown_sessions(app: web.Application) -> None:
+    """App shutdown: let sessions finish their audio until the drain's deadline (`shutdown_grace_s` from
+    the start of the drain, or from now), then close them all with 1001."""
     ctx = app[CONTEXT]
     ctx.shutting_down = True
-    deadline = time.monotonic() + ctx.settings.shutdown_grace_s
-    while any(s.busy for s in _runtimes(ctx)) and time.monotonic() < deadline:  # noqa: ASYNC110 (bounded poll)
-        await asyncio.sleep(0.05)
+    state = app[STATE]
+    if state.drain_deadline is None:
+        state.drain_deadline = time.monotonic() + ctx.settings.shutdown_grace_s
+    await _until_idle(ctx, _runtimes(ctx), state.drain_deadline)
     await asyncio.gather(*(s.shutdown(CLOSE_GOING_AWAY, "server shutting down") for s in _runtimes(ctx)),
                          return_exceptions=True)
+
+
+async def _until_idle(ctx: ServerContext, runtimes: list[SessionRuntime], deadline: float) -> None:
+    """Wait until none of `runtimes` has audio or events left to send, or until `deadline` (monotonic)."""
+    while any(s.busy for s in runtimes if s in ctx.sessions) and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(DRAIN_POLL_S)
 
 
 def _runtimes(ctx: ServerContext) -> list[SessionRuntime]:
@@ -157,7 +207,8 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
     """`GET /v1/audio/speech/stream`: one realtime synthesis session per WebSocket.
 
     Refused before the upgrade: not ready (503), over the key's or address's session cap (429). Refused
-    after it, with close code 1013: the server already has `max_sessions` sessions.
+    after it, with close code 1013: the server already has `max_sessions` sessions, or the engine capacity
+    is spoken for (`realtime.admission`).
     """
     ctx = request.app[CONTEXT]
     if not ctx.ready or ctx.shutting_down:
@@ -166,7 +217,7 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
     try:
         ctx.access.open_session(who)
     except OpenAIError as exc:
-        ctx.metrics.sessions_refused.inc()
+        ctx.metrics.sessions_refused.labels("limit").inc()
         return exc.response()
     try:
         # No permessage-deflate: audio barely compresses (about 5 %) and zlib costs ~6 ms per second of audio,
@@ -174,22 +225,39 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
         ws = web.WebSocketResponse(max_msg_size=ctx.settings.max_config_bytes, heartbeat=20.0, compress=False)
         await ws.prepare(request)
         if len(ctx.sessions) >= ctx.settings.max_sessions:
-            ctx.metrics.sessions_refused.inc()
+            ctx.metrics.sessions_refused.labels("full").inc()
             await ws.close(code=CLOSE_TRY_AGAIN_LATER, message=b"server full")
+            return ws
+        if not request.app[STATE].admission.admits(_speaking(request.app), _slots(ctx)):
+            ctx.metrics.sessions_refused.labels("capacity").inc()
+            await ws.close(code=CLOSE_TRY_AGAIN_LATER,
+                           message=f"server at capacity; retry after {admission.RETRY_AFTER_S} s".encode())
             return ws
         runtime = SessionRuntime(ws, ctx)
         ctx.sessions.add(runtime)
+        request.app[STATE].session_keys[runtime] = who.key
         ctx.metrics.sessions_total.inc()
         ctx.metrics.sessions_open.inc()
         try:
             await runtime.run()
         finally:
             ctx.sessions.discard(runtime)
+            request.app[STATE].session_keys.pop(runtime, None)
             ctx.metrics.sessions_open.dec()
             asyncio.get_running_loop().call_later(UNSENT_GRACE_S, _drop_unsent, request)
         return ws
     finally:
         ctx.access.close_session(who)
+
+
+def _speaking(app: web.Application) -> int:
+    """Admission's demand: sessions with audio to produce or send, and REST speech requests in progress."""
+    ctx = app[CONTEXT]
+    return sum(1 for s in _runtimes(ctx) if s.busy) + app[REST].in_flight
+
+
+def _slots(ctx: ServerContext) -> int:
+    return ctx.scheduler.capacity if ctx.scheduler is not None else 0
 
 
 def _drop_unsent(request: web.Request) -> None:
@@ -206,26 +274,99 @@ def _drop_unsent(request: web.Request) -> None:
         transport.abort()
 
 
-async def _key_rotation(app: web.Application) -> AsyncIterator[None]:
-    """Re-read the API key file on SIGHUP (main thread only) and whenever its modification time changes."""
-    keys = app[CONTEXT].access.keys
-    if keys.file is None:
-        yield
-        return
+async def _no_referrer(request: web.Request, response: web.StreamResponse) -> None:
+    """`Referrer-Policy: no-referrer` on every response: the demo page is opened as `/?token=KEY`, and
+    without it every asset the page loads would carry that URL, key included, in its `Referer`."""
+    response.headers["Referrer-Policy"] = "no-referrer"
+
+
+async def _signals_and_key_file(app: web.Application) -> AsyncIterator[None]:
+    """Watch the API key file (re-read within `KEY_FILE_POLL_S` of a change) and, on the main thread
+    only (`voicewire serve`; an embedding thread keeps its own signals), handle SIGHUP (reload keys),
+    SIGTERM and SIGINT (drain, then stop) as the module docstring says."""
+    ctx = app[CONTEXT]
     loop = asyncio.get_running_loop()
-    on_sighup = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP")
-    if on_sighup:
-        loop.add_signal_handler(signal.SIGHUP, lambda: keys.reload(force=True))
-
-    async def watch() -> None:
-        while True:
-            await asyncio.sleep(KEY_FILE_POLL_S)
-            keys.reload()
-
-    watcher = asyncio.create_task(watch())
+    watcher = asyncio.create_task(_watch_key_file(app)) if ctx.access.keys.file is not None else None
+    signals = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT) if hasattr(signal, "SIGHUP") else ()
+    if threading.current_thread() is not threading.main_thread():
+        signals = ()
+    for sig in signals:
+        loop.add_signal_handler(sig, _on_signal, app, sig)
     try:
         yield
     finally:
-        watcher.cancel()
-        if on_sighup:
-            loop.remove_signal_handler(signal.SIGHUP)
+        if watcher is not None:
+            watcher.cancel()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+def _on_signal(app: web.Application, sig: signal.Signals) -> None:
+    ctx = app[CONTEXT]
+    state = app[STATE]
+    if sig == signal.SIGHUP:
+        if ctx.access.keys.file is None:
+            log.info("SIGHUP: no API key file is configured; nothing to reload")
+        else:
+            _reload_keys(app, force=True)
+        return
+    if state.exiting:
+        log.info("%s: already stopping", sig.name)
+    elif ctx.shutting_down:
+        log.warning("%s again: stopping now", sig.name)
+        state.exiting = True
+        raise web.GracefulExit()
+    else:
+        grace = ctx.settings.shutdown_grace_s
+        log.info("%s: draining: /ready answers 503, new sessions and requests are refused, open sessions "
+                 "have %g s to finish their audio", sig.name, grace)
+        ctx.shutting_down = True
+        state.drain_deadline = time.monotonic() + grace
+        state.spawn(_drain_then_stop(app), "drain")
+
+
+async def _drain_then_stop(app: web.Application) -> None:
+    """Wait for the sessions' audio in progress (up to the drain deadline), then stop the server the way
+    aiohttp's own signal handler does (GracefulExit out of the loop): listener closed, sessions closed
+    with 1001, engine closed."""
+    ctx = app[CONTEXT]
+    state = app[STATE]
+    assert state.drain_deadline is not None
+    await _until_idle(ctx, _runtimes(ctx), state.drain_deadline)
+    if not state.exiting:
+        state.exiting = True
+        asyncio.get_running_loop().call_soon(_raise_graceful_exit)
+
+
+def _raise_graceful_exit() -> None:
+    raise web.GracefulExit()
+
+
+async def _watch_key_file(app: web.Application) -> None:
+    while True:
+        await asyncio.sleep(KEY_FILE_POLL_S)
+        _reload_keys(app, force=False)
+
+
+def _reload_keys(app: web.Application, *, force: bool) -> None:
+    """Re-read the key file (see `KeyRing.reload`), count a failure, and close the sessions of revoked
+    keys: each finishes the audio it has in progress (up to `shutdown_grace_s`), then is closed with 1008
+    "api key revoked"."""
+    ctx = app[CONTEXT]
+    state = app[STATE]
+    result = ctx.access.keys.reload(force=force)
+    if result.failed:
+        ctx.metrics.key_reload_failures.inc()
+    ctx.metrics.keys_stale.set(1 if ctx.access.keys.stale else 0)
+    doomed = [r for r, key in state.session_keys.items() if key is not None and key in result.revoked]
+    if doomed:
+        log.info("closing %d sessions of revoked keys once their audio in progress is sent", len(doomed))
+    for runtime in doomed:
+        state.spawn(_close_revoked(ctx, runtime), f"revoke-{runtime.session_id}")
+
+
+async def _close_revoked(ctx: ServerContext, runtime: SessionRuntime) -> None:
+    await _until_idle(ctx, [runtime], time.monotonic() + ctx.settings.shutdown_grace_s)
+    if runtime in ctx.sessions:
+        ctx.metrics.sessions_revoked.inc()
+        await runtime.shutdown(CLOSE_POLICY, "api key revoked")

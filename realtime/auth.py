@@ -4,13 +4,17 @@
 refused before the upgrade (an HTTP status, never a half-open session).
 
 - API keys come from settings and/or a file (one key per line, `#` comments); the file is re-read on
-  SIGHUP and when its modification time changes, so keys rotate without a restart. A key is presented as
-  `Authorization: Bearer <key>` (REST and WebSocket) or `?token=<key>` (WebSocket upgrades only:
-  browsers cannot set headers there). Keys are compared in constant time against every configured key
-  and never logged; limits and logs use a key id (a short SHA-256 prefix).
-- Browser WebSockets (requests with an `Origin` header) must come from the server's own origin or from
-  `allowed_origins`; this stops cross-site WebSocket hijacking. Clients that send no `Origin` (servers,
-  SDKs) are not browsers and pass.
+  SIGHUP and when its modification time changes, so keys rotate without a restart (`KeyRing` says what a
+  missing file and a removed key do). A key is presented as `Authorization: Bearer <key>` (REST and
+  WebSocket) or `?token=<key>` (WebSocket upgrades only: browsers cannot set headers there). Keys are
+  compared in constant time against every configured key and never logged; limits and logs use a key id
+  (a short SHA-256 prefix), and `AccessLog` redacts `?token=` from the access log.
+- Browser requests (those with an `Origin` header) that open a WebSocket or change state (POST, PUT, PATCH,
+  DELETE) must come from the server's own origin or from `allowed_origins` (403): this stops cross-site
+  WebSocket hijacking and cross-site forms on an open server. The own origin is judged by the address the
+  connection reached, never by the `Host` header (DNS rebinding). Routes that take JSON refuse other body
+  types (415), so a page cannot send them a form or `text/plain` body. Clients that send no `Origin`
+  (servers, SDKs) are not browsers and pass.
 - Per-key and per-IP caps on concurrent WebSocket sessions, and a per-key and per-IP rate of REST
   requests (a token bucket refilled continuously), answer 429 with `Retry-After`.
 
@@ -24,6 +28,7 @@ import hashlib
 import hmac
 import logging
 import math
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,13 +36,20 @@ from pathlib import Path
 from typing import Final
 
 from aiohttp import hdrs, web
+from aiohttp.abc import AbstractAccessLogger
 from aiohttp.typedefs import Handler, Middleware
 from voicewire.realtime.openai_errors import OpenAIError
 from voicewire.realtime.settings import Settings
+from yarl import URL
 
 log = logging.getLogger("voicewire.auth")
 
 OPEN_PATHS: Final = frozenset({"/health", "/ready", "/"})
+LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
+STATE_CHANGING: Final = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+FORM_PATHS: Final = frozenset({"/v1/audio/voices"})
+"""Routes that take a form body (`multipart/form-data`); every other route with a body takes JSON."""
+TOKEN_IN_QUERY: Final = re.compile(r"([?&]token=)[^&#\s\"]*", re.IGNORECASE)
 OPEN_PREFIXES: Final = ("/clients/",)
 WS_PATH: Final = "/v1/audio/speech/stream"
 MAX_BUCKETS: Final = 100_000
@@ -48,41 +60,69 @@ def key_id(key: str) -> str:
     return "key_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
+@dataclass(frozen=True, slots=True)
+class Reload:
+    """What one `KeyRing.reload()` did: `changed` when the keys were replaced, `failed` when the file could
+    not be read (the last good keys stay), `revoked` the key ids accepted before and not any more."""
+
+    changed: bool = False
+    failed: bool = False
+    revoked: frozenset[str] = frozenset()
+
+
 class KeyRing:
-    """The configured API keys; `reload()` re-reads the key file (if any) when it changed."""
+    """The configured API keys; `reload()` re-reads the key file (if any) when it changed.
+
+    The file is the source of truth for its keys: a key removed from it is revoked at the next reload, and
+    a file with no keys left revokes all of them (keys from settings stay). A file that is missing or
+    unreadable is an error, never an empty list: the last good keys stay in force (`stale` is true) and
+    the failure is logged at ERROR when it starts and at every forced reload (SIGHUP), so a botched
+    rotation neither locks everyone out nor opens the server. At start-up there is no last good set, so
+    an unreadable file raises `ValueError`.
+    """
 
     def __init__(self, keys: tuple[str, ...], file: Path | None) -> None:
         self._static = tuple(k for k in keys if k)
         self.file = file
+        self.stale = False
+        """True while the file cannot be read and the last good keys are kept."""
         self._mtime: float | None = None
         self._keys: tuple[bytes, ...] = tuple(k.encode() for k in self._static)
-        if file is not None:
-            self.reload(force=True)
+        self._ids = frozenset(key_id(k) for k in self._static)
+        if file is not None and self.reload(force=True).failed:
+            raise ValueError(f"cannot read the API key file {file}")
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def reload(self, *, force: bool = False) -> bool:
-        """Re-read the key file if it changed (or `force`); True when the keys were replaced.
-
-        A missing or unreadable file keeps the previous keys (logged), so a botched rotation never
-        locks everyone out silently nor opens the server.
-        """
+    def reload(self, *, force: bool = False) -> Reload:
+        """Re-read the key file if it changed, if the last read failed, or if `force`d (see the class)."""
         if self.file is None:
-            return False
+            return Reload()
         try:
             mtime = self.file.stat().st_mtime
-            if not force and mtime == self._mtime:
-                return False
+            if not force and not self.stale and mtime == self._mtime:
+                return Reload()
             lines = self.file.read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            log.error("cannot read API key file %s (%s); keeping the previous keys", self.file, exc)
-            return False
+        except (OSError, UnicodeDecodeError) as exc:
+            if force or not self.stale:
+                log.error("cannot read API key file %s (%s); the %d keys loaded before stay in force until it "
+                          "can be read", self.file, exc, len(self._keys))
+            self.stale = True
+            return Reload(failed=True)
+        self.stale = False
         file_keys = tuple(k for k in (line.strip() for line in lines) if k and not k.startswith("#"))
-        self._keys = tuple(k.encode() for k in (*self._static, *file_keys))
+        keys = (*self._static, *file_keys)
+        ids = frozenset(key_id(k) for k in keys)
+        revoked = self._ids - ids
+        self._keys = tuple(k.encode() for k in keys)
+        self._ids = ids
         self._mtime = mtime
-        log.info("API keys loaded: %d from settings, %d from %s", len(self._static), len(file_keys), self.file)
-        return True
+        log.info("API keys loaded: %d from settings, %d from %s; %d revoked", len(self._static), len(file_keys),
+                 self.file, len(revoked))
+        if not keys:
+            log.warning("API key file %s holds no keys: every request will be refused", self.file)
+        return Reload(changed=True, revoked=revoked)
 
     def match(self, presented: str) -> str | None:
         """The key id of `presented` if it is a configured key, else None; constant time per key."""
@@ -171,7 +211,7 @@ class AccessControl:
 
     def identify(self, request: web.Request) -> Identity:
         """Check the key (raises a 401 `OpenAIError`) and the origin (403); return who it is."""
-        address = self._address(request)
+        address = self.address(request)
         if not self.enabled:
             return Identity(None, address)
         presented = _bearer(request)
@@ -186,13 +226,35 @@ class AccessControl:
         return Identity(kid, address)
 
     def check_origin(self, request: web.Request) -> None:
+        """403 unless the request's `Origin` (if any) is allowed (see `origin_allowed`)."""
         origin = request.headers.get(hdrs.ORIGIN)
-        if origin is None or origin == f"{request.scheme}://{request.host}":
+        if origin is None or self.origin_allowed(origin, request):
             return
-        if origin in self.settings.allowed_origins or "*" in self.settings.allowed_origins:
-            return
-        raise OpenAIError(403, f"Origin {origin!r} is not allowed to open WebSockets on this server; add it to "
+        what = "open WebSockets on" if request.path == WS_PATH else "send requests to"
+        raise OpenAIError(403, f"Origin {origin!r} is not allowed to {what} this server; add it to "
                           "allowed_origins", code="origin_not_allowed")
+
+    def origin_allowed(self, origin: str, request: web.Request) -> bool:
+        """`origin` is listed in `allowed_origins` (or "*" is), or it is this server's own origin.
+
+        The own origin is recognised without trusting the request's `Host` header (a DNS-rebinding page
+        controls it): `http://NAME:PORT` where PORT is the port the connection actually arrived on and NAME
+        is a loopback name (`localhost`, `127.0.0.1`, `[::1]`), the address the connection arrived at, or the
+        configured `host`. Any other name under which browsers reach the server (its public name behind a
+        proxy, say) must be listed in `allowed_origins`.
+        """
+        allowed = self.settings.allowed_origins
+        if origin in allowed or "*" in allowed:
+            return True
+        try:
+            url = URL(origin)
+            port = url.port
+        except ValueError:
+            return False
+        local = request.transport.get_extra_info("sockname") if request.transport is not None else None
+        if url.scheme != "http" or url.host is None or not isinstance(local, tuple) or port != local[1]:
+            return False
+        return url.host.lower() in {*LOOPBACK_NAMES, str(local[0]).lower(), self.settings.host.lower()}
 
     def open_session(self, who: Identity) -> None:
         """Count a WebSocket session against its key and address caps (429 when over)."""
@@ -224,7 +286,8 @@ class AccessControl:
                 raise RateLimited(f"Rate limit reached ({self.settings.rest_requests_per_minute:g} requests per "
                                   "minute); retry after the Retry-After header's seconds", wait, "rate_limited")
 
-    def _address(self, request: web.Request) -> str:
+    def address(self, request: web.Request) -> str:
+        """The client address limits count against (see `trust_forwarded_for`)."""
         if self.settings.trust_forwarded_for:
             forwarded = request.headers.get("X-Forwarded-For")
             if forwarded:
@@ -242,8 +305,24 @@ def _bearer(request: web.Request) -> str | None:
     return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
+def _check_body_type(request: web.Request) -> None:
+    """415 for a body that is not JSON on a route that takes JSON (all but `FORM_PATHS`). A body without a
+    `Content-Type` is taken as JSON (SDKs and servers send no browser-made form)."""
+    if request.method not in STATE_CHANGING or request.path in FORM_PATHS or not request.body_exists:
+        return
+    if hdrs.CONTENT_TYPE not in request.headers:
+        return
+    kind = request.content_type
+    if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        raise OpenAIError(415, f"Content-Type {kind!r} is not accepted here: send a JSON body with "
+                          "'Content-Type: application/json'", code="unsupported_media_type")
+
+
 def access_middleware(access: AccessControl) -> Middleware:
-    """Refuse unauthenticated, cross-origin and over-rate requests before any handler runs."""
+    """Refuse unauthenticated, cross-origin and over-rate requests, and non-JSON bodies on JSON routes,
+    before any handler runs. A browser page on another site can make simple requests (forms, `text/plain`)
+    without asking; state-changing ones from an origin that is not allowed are refused (403), as are
+    WebSockets, and JSON routes take no form or text body at all (415)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -252,10 +331,11 @@ def access_middleware(access: AccessControl) -> Middleware:
             return await handler(request)
         try:
             who = access.identify(request)
-            if path == WS_PATH:
+            if path == WS_PATH or request.method in STATE_CHANGING:
                 access.check_origin(request)
-            else:
+            if path != WS_PATH:
                 access.charge_rest(who)
+                _check_body_type(request)
         except OpenAIError as exc:
             response = exc.response()
             if exc.status == 401:
@@ -267,3 +347,33 @@ def access_middleware(access: AccessControl) -> Middleware:
         return await handler(request)
 
     return middleware
+
+
+def redact_tokens(url: str) -> str:
+    """`url` (absolute, or a path with its query) with the value of every `token` query parameter replaced
+    by `REDACTED`, however its name is written (`Token`, `%74oken`)."""
+    try:
+        parsed = URL(url)
+        if any(name.lower() == "token" for name in parsed.query):
+            url = str(parsed.with_query([(name, "REDACTED" if name.lower() == "token" else value)
+                                         for name, value in parsed.query.items()]))
+    except ValueError:
+        pass
+    return TOKEN_IN_QUERY.sub(r"\1REDACTED", url)
+
+
+class AccessLog(AbstractAccessLogger):
+    """aiohttp's access line (address, request line, status, bytes, seconds, Referer, User-Agent) with
+    `?token=` keys redacted from the request line and the Referer. Pass it as `access_log_class` to
+    `web.run_app` or `web.AppRunner`."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.logger.isEnabledFor(logging.INFO)
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        version = request.version
+        self.logger.info('%s "%s %s HTTP/%d.%d" %d %d %.3f "%s" "%s"', request.remote or "-", request.method,
+                         redact_tokens(request.path_qs), version.major, version.minor, response.status,
+                         response.body_length, time, redact_tokens(request.headers.get(hdrs.REFERER, "-")),
+                         request.headers.get(hdrs.USER_AGENT, "-"))

@@ -13,6 +13,7 @@ from aiohttp import web
 from voicewire.adapters.base import Engine
 from voicewire.adapters.registry import ENGINE_NAMES, create_engine
 from voicewire.realtime.app import create_app
+from voicewire.realtime.auth import AccessLog
 from voicewire.realtime.settings import Settings
 
 
@@ -29,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-isolation", choices=("process", "thread"), default=defaults.engine_isolation,
                        help="hibari in child processes (a crashed worker is restarted) or in threads")
     serve.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
+    serve.add_argument("--admission-utilization", type=float, default=defaults.admission_utilization,
+                       metavar="SHARE", help="refuse new sessions (close 1013) while those speaking need more than "
+                       "this share of the engine's measured capacity; 0: admit by --max-sessions only")
     serve.add_argument("--voices-dir", type=Path, help="where uploaded voices are stored "
                        "(default: $XDG_DATA_HOME/voicewire/voices)")
     auth = serve.add_argument_group("access")
@@ -82,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     env_keys = [k.strip() for k in os.environ.get("VOICEWIRE_API_KEYS", "").split(",") if k.strip()]
     settings = Settings(host=args.host, port=args.port, engine=args.engine, engine_workers=args.engine_workers,
                         engine_isolation=args.engine_isolation, max_sessions=args.max_sessions,
+                        admission_utilization=args.admission_utilization,
                         api_keys=(*args.api_key, *env_keys), voices_dir=args.voices_dir,
                         api_keys_file=args.api_keys_file, allow_unauthenticated=args.no_auth,
                         allowed_origins=tuple(args.allowed_origin), trust_forwarded_for=args.trust_forwarded_for)
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("voicewire").info("uvloop not installed; using the default event loop")
     web.run_app(app, host=settings.host, port=settings.port,
                 shutdown_timeout=settings.shutdown_grace_s + 5.0, print=None,
-                handler_cancellation=True)
+                handler_cancellation=True, access_log_class=AccessLog, keepalive_timeout=settings.header_timeout_s)
     return 0
 
 

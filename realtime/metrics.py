@@ -20,14 +20,25 @@ class Metrics:
         r = self.registry
         self.sessions_open = Gauge("voicewire_sessions_open", "WebSocket sessions open now", registry=r)
         self.sessions_total = Counter("voicewire_sessions", "WebSocket sessions accepted", registry=r)
-        self.sessions_refused = Counter("voicewire_sessions_refused", "WebSocket sessions refused (server full)",
-                                        registry=r)
+        self.sessions_refused = Counter("voicewire_sessions_refused", "WebSocket sessions refused, by reason: "
+                                        "full (max_sessions), capacity (admission), limit (per key or address)",
+                                        ["reason"], registry=r)
         self.units = Counter("voicewire_units", "Synthesis units by outcome", ["outcome"], registry=r)
         self.ttfa = Histogram("voicewire_ttfa_seconds",
                               "Time from the text completing an utterance's first unit to its first audio sent",
                               ["route"], buckets=TTFA_BUCKETS, registry=r)
         self.audio_seconds = Counter("voicewire_audio_seconds", "Seconds of audio produced", ["route"], registry=r)
         self.engine_busy = Counter("voicewire_engine_busy_seconds", "Engine slot time in use", registry=r)
+        self.engine_audio = Counter("voicewire_engine_audio_seconds",
+                                    "Seconds of audio the engine produced, counted with the slot time it took",
+                                    registry=r)
+        self.engine_speed = Gauge("voicewire_engine_speed",
+                                  "Measured audio seconds per engine-slot second (0 until measured)", registry=r)
+        self.capacity_streams = Gauge("voicewire_capacity_streams",
+                                      "Real-time streams admission fills: admission_utilization x slots x speed",
+                                      registry=r)
+        self.speaking_streams = Gauge("voicewire_speaking_streams",
+                                      "Sessions speaking now plus REST speech requests in progress", registry=r)
         self.engine_queue = Gauge("voicewire_engine_queue_depth", "Units waiting for an engine slot", registry=r)
         self.engine_in_use = Gauge("voicewire_engine_slots_in_use", "Engine slots computing now", registry=r)
         self.errors = Counter("voicewire_errors", "Errors sent to clients by code", ["code"], registry=r)
@@ -35,6 +46,14 @@ class Metrics:
                                 ["route", "status"], registry=r)
         self.rest_in_flight = Gauge("voicewire_rest_speech_in_flight", "REST speech requests synthesizing now",
                                     registry=r)
+        self.key_reload_failures = Counter("voicewire_api_key_reload_failures",
+                                           "Reads of the API key file that failed (the last good keys stay)",
+                                           registry=r)
+        self.keys_stale = Gauge("voicewire_api_keys_stale",
+                                "1 while the API key file cannot be read and the last good keys are in force",
+                                registry=r)
+        self.sessions_revoked = Counter("voicewire_sessions_revoked",
+                                        "WebSocket sessions closed because their API key was revoked", registry=r)
         self.event_loop_tasks = Gauge("voicewire_event_loop_tasks",
                                       "asyncio tasks alive on the server's event loop (read at scrape time)",
                                       registry=r)

@@ -78,6 +78,7 @@ async def synthesize_unit(ctx: ServerContext, request: SynthesisRequest, rendere
         finally:
             engine_s = time.monotonic() - started
             ctx.metrics.engine_busy.inc(engine_s)
+            ctx.metrics.engine_audio.inc(renderer.audio_ms / 1000.0)
     sink(renderer.finish())
     return engine_s
 

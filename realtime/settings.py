@@ -26,6 +26,9 @@ class Settings:
 
     max_sessions: int = 64
     """WebSocket sessions at once; one more is refused with close code 1013."""
+    admission_utilization: float = 0.8
+    """Capacity admission: a new WebSocket session is refused (close 1013) while the sessions speaking now
+    would need more than this share of the engine's measured capacity; 0 turns it off (`max_sessions` only)."""
     config_timeout_s: float = 10.0
     idle_timeout_s: float = 30.0
     """No client message and no audio in progress for this long closes the session."""
@@ -54,6 +57,13 @@ class Settings:
     max_sessions_per_ip: int = 32
     rest_requests_per_minute: float = 600.0
     rest_burst: float = 60.0
+    header_timeout_s: float = 15.0
+    """A connection must send a request's complete headers within this of opening or of its previous
+    response; it is also how long an idle keep-alive connection is kept. Past it the connection is closed."""
+    body_timeout_s: float = 60.0
+    """A request's body must have arrived this long after its headers: 408 and the connection closed."""
+    max_bodies_per_ip: int = 16
+    """Requests from one address whose body is still arriving; one more is refused with 429."""
     trust_forwarded_for: bool = False
     """Take the client address from X-Forwarded-For (only behind a proxy that sets it)."""
     voice_aliases: dict[str, str] = field(default_factory=dict)

@@ -1,6 +1,7 @@
-"""A fault-injecting engine wrapper for reliability tests (a named stand-in, never a working engine).
+"""Engine wrappers for reliability tests (named stand-ins, never working engines): faults and slowness.
 
-It wraps a real engine and passes every request through, except those whose text carries a marker:
+`FaultInjectingEngine` wraps a real engine and passes every request through, except those whose text
+carries a marker:
 `[raise]` yields the real engine's first piece and then raises; `[raise-first]` raises before any audio;
 `[hang]` yields nothing and never finishes until cancelled; `[burn]` spins a core on a thread that no cancel
 stops (like a native text-processing stage) for `BURN_S`, for worker-process tests only. The marker is removed
@@ -13,6 +14,7 @@ come back). `fault_injecting_hibari` builds one around hibari inside an engine w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import replace
@@ -84,3 +86,33 @@ def fault_injecting_hibari(refuse_start_while: str | None = None) -> Engine:
     """A `FaultInjectingEngine` around a one-thread hibari, for `ProcessEngine(build=functools.partial(...))`."""
     return FaultInjectingEngine(HibariEngine(),
                                 refuse_start_while=None if refuse_start_while is None else Path(refuse_start_while))
+
+
+class PacedEngine:
+    """A slower engine for capacity tests (a named stand-in): passes a real engine's pieces through, but
+    never more than `speed` seconds of audio per second of wall time (it sleeps before a piece that would
+    come early), so one engine slot sustains `speed` real-time streams, whatever the machine."""
+
+    def __init__(self, inner: Engine, speed: float) -> None:
+        self.inner = inner
+        self.speed = speed
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.inner.info
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        produced_s = 0.0
+        async with contextlib.aclosing(self.inner.synthesize(request)) as pieces:
+            async for piece in pieces:
+                produced_s += len(piece.samples) / piece.sample_rate
+                await asyncio.sleep(max(0.0, started + produced_s / self.speed - loop.time()))
+                yield piece

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from voicewire.adapters.base import Engine
 from voicewire.realtime.app import CONTEXT, create_app
+from voicewire.realtime.auth import AccessLog
 from voicewire.realtime.context import ServerContext
 from voicewire.realtime.settings import Settings
 
@@ -38,7 +39,8 @@ class ServerThread:
         self.settings = settings
         self.app = create_app(self.settings, engine)
         self.loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(self.app, shutdown_timeout=5.0, handler_cancellation=True)
+        self._runner = web.AppRunner(self.app, shutdown_timeout=5.0, handler_cancellation=True,
+                                     access_log_class=AccessLog, keepalive_timeout=settings.header_timeout_s)
         self._started = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)

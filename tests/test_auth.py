@@ -1,4 +1,5 @@
-"""Access control on a real server: API keys (header and query), origins, rotation, per-key limits."""
+"""Access control on a real server: API keys (header and query), origins, rotation and revocation,
+per-key limits, the Referer policy."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 import websockets
+from voicewire.adapters.registry import create_engine
 from voicewire.realtime.auth import KeyRing
 from voicewire.realtime.settings import Settings
 from websockets.typing import Origin
 
+from tests.faults import PacedEngine
 from tests.server import ServerThread
-from tests.wsclient import configure
+from tests.wsclient import configure, recv_until, send
 
 KEY = "vw-test-key-0123456789"
 
@@ -158,3 +162,103 @@ async def test_per_ip_limits_use_the_address_the_proxy_appended() -> None:
                 await configure(other)
     finally:
         srv.stop()
+
+
+async def test_dns_rebinding_origin_is_refused_whatever_the_host_header_says(secured: ServerThread) -> None:
+    """A page on evil.example whose name was rebound to 127.0.0.1 sends `Host` and `Origin` that agree;
+    the server's own origin is judged by the address and port the connection reached, not by `Host`."""
+    port = secured.port
+    headers = {"Authorization": f"Bearer {KEY}", "Host": f"evil.example:{port}",
+               "Origin": f"http://evil.example:{port}"}
+    async with aiohttp.ClientSession() as http_session:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            async with http_session.ws_connect(secured.ws_url, headers=headers):
+                pass
+        assert refused.value.status == 403
+        for own in (f"http://localhost:{port}", f"http://127.0.0.1:{port}"):
+            own_headers = {**headers, "Host": own.removeprefix("http://"), "Origin": own}
+            async with http_session.ws_connect(secured.ws_url, headers=own_headers) as ws:
+                await ws.send_json({"type": "session.config"})
+                assert (await ws.receive_json())["type"] == "session.updated"
+
+
+def test_pages_and_assets_keep_the_token_out_of_the_referer(secured: ServerThread) -> None:
+    for path in ("/", "/clients/voicewire.js", "/health"):
+        with urllib.request.urlopen(f"{secured.http_url}{path}?token={KEY}", timeout=10) as resp:
+            assert resp.headers["Referrer-Policy"] == "no-referrer", path
+
+
+def metric(srv: ServerThread, name: str, key: str) -> float:
+    with urllib.request.urlopen(urllib.request.Request(f"{srv.http_url}/metrics", headers={
+            "Authorization": f"Bearer {key}"}), timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+async def test_a_missing_key_file_keeps_the_last_good_keys_loudly(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("file-key-1\n")
+    srv = ServerThread(Settings(api_keys=("static-key",), api_keys_file=keyfile))
+    try:
+        keyfile.unlink()
+        async with asyncio.timeout(30):
+            while metric(srv, "voicewire_api_keys_stale", "static-key") != 1:
+                await asyncio.sleep(0.2)
+        assert metric(srv, "voicewire_api_key_reload_failures_total", "static-key") >= 1
+        assert "cannot read API key file" in caplog.text
+        assert http(f"{srv.http_url}/v1/models", "file-key-1")[0] == 200, "the last good keys stay in force"
+        keyfile.write_text("file-key-2\n")
+        async with asyncio.timeout(30):
+            while http(f"{srv.http_url}/v1/models", "file-key-2")[0] != 200:
+                await asyncio.sleep(0.2)
+        assert metric(srv, "voicewire_api_keys_stale", "static-key") == 0
+        assert http(f"{srv.http_url}/v1/models", "file-key-1")[0] == 401
+    finally:
+        srv.stop()
+
+
+def test_a_server_whose_key_file_cannot_be_read_refuses_to_start(tmp_path: Path) -> None:
+    from voicewire.realtime.app import create_app
+
+    with pytest.raises(ValueError, match="cannot read the API key file"):
+        create_app(Settings(api_keys_file=tmp_path / "missing"))
+
+
+async def test_a_revoked_keys_sessions_finish_their_utterance_then_close_with_1008(tmp_path: Path) -> None:
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("doomed-key\nkept-key\n")
+    srv = ServerThread(Settings(api_keys_file=keyfile, engine_workers=1),
+                       PacedEngine(create_engine("hibari", workers=1), speed=1.0))
+    text = "The first sentence is here. A second one follows it. The third one ends this utterance."
+    try:
+        async with websockets.connect(srv.ws_url + "?token=doomed-key") as speaking, \
+                websockets.connect(srv.ws_url + "?token=doomed-key") as idle, \
+                websockets.connect(srv.ws_url + "?token=kept-key") as bystander:
+            for ws in (speaking, idle, bystander):
+                await configure(ws, split_granularity="sentence", response_format="pcm", stream_audio=True)
+            await send(speaking, {"type": "input.text", "text": text})
+            await send(speaking, {"type": "input.done"})
+            got = await recv_until(speaking, "audio.start")
+            keyfile.write_text("kept-key\n")
+            got = await recv_until(speaking, "session.done", got)
+            assert got.of("session.done")[0]["total_sentences"] == 3 and not got.of("error")
+            for ws in (speaking, idle):
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    async with asyncio.timeout(60):
+                        while True:
+                            await ws.recv()
+                assert closed.value.rcvd is not None
+                assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1008, "api key revoked")
+            await send(bystander, {"type": "input.text", "text": "Still here."})
+            await send(bystander, {"type": "input.done"})
+            assert (await recv_until(bystander, "session.done")).of("session.done")
+        assert metric(srv, "voicewire_sessions_revoked_total", "kept-key") == 2
+        with pytest.raises(websockets.InvalidStatus):
+            async with websockets.connect(srv.ws_url + "?token=doomed-key"):
+                pass
+    finally:
+        srv.stop()
+
