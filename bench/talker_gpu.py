@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     engine = TalkerEngine(config)
     sessions = 2 * top + 8
-    server = ServerThread(Settings(engine="talker", max_sessions=sessions, max_sessions_per_ip=sessions), engine)
+    server = ServerThread(Settings(engine="talker", max_sessions=sessions, max_sessions_per_ip=sessions,
+                                   admission_utilization=0.0), engine)
     server.call(lambda: _until_ready(server), timeout=900)
     started_s = time.perf_counter() - began
     codec = engine._codec
