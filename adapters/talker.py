@@ -412,20 +412,23 @@ class TalkerEngine:
         return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._record_step)])
 
     def _window_lengths(self) -> list[int]:
-        """The window lengths of the ramp, up to its steady size, for first chunks of 1 or 2 frames and the
-        configured size (2 to 20 frames by default): the codec's CUDA graph shapes. Other windows (a unit's
-        last chunk) take more left context to reach one of these where the unit has the frames."""
+        """Every window length a chunk can have, up to the longest the ramp makes (its steady chunk with its
+        context, lookahead and stand-in frames): the codec's CUDA graph shapes. The paced schedule cuts chunks
+        of any size up to the steady one, early in a unit where no extra left context is there to reach a
+        ramp length; a shape without a graph runs eagerly, and its first run on a GPU cost one stream about a
+        second (a measured stall). Longer windows (a unit's last chunk) take more left context to reach one
+        of these where the unit has the frames."""
         policy = self.config.chunks
-        lengths: set[int] = set()
+        longest = 0
         frame = np.zeros((1, CODES_PER_FRAME), np.int64)
         for initial in {1, 2, policy.initial_frames}:
             streamer = ChunkStreamer(policy, initial)
             while True:
                 windows = streamer.push(frame)
-                lengths.update(len(w.frames) for w in windows)
+                longest = max([longest, *(len(w.frames) for w in windows)])
                 if any(w.chunk_frames >= policy.steady_frames for w in windows):
                     break
-        return sorted(lengths)
+        return list(range(1, longest + 1))
 
     async def _warm_up(self) -> None:
         # Without CUDA graphs (CPU, or graphs off): decode each window length once.

@@ -81,7 +81,7 @@ class ChunkPolicy:
     lookahead_frames: int = 1
     lookahead_from_frame: int = 2
     pad_frames: int = 1
-    margin_s: float = 0.08
+    margin_s: float = 0.12
     """Paced streams: how long before the listener runs dry a chunk must be cut (codec queue and decode, the
     hand-back and the socket); the measured time between two arrivals of frames is added."""
     pace_smoothing: float = 0.25
