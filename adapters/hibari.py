@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 import onnx
 import onnxruntime as ort
-from voicewire.adapters.base import (
+from voicewire.protocol.engine import (
     AudioPiece,
     EngineCapabilities,
     EngineInfo,

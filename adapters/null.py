@@ -12,7 +12,7 @@ import re
 from collections.abc import AsyncGenerator
 
 import numpy as np
-from voicewire.adapters.base import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest, WordSpan
+from voicewire.protocol.engine import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest, WordSpan
 
 SAMPLE_RATE = 24000
 SECONDS_PER_CHAR = 0.06

@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import numpy as np
-from voicewire.adapters.base import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest
 from voicewire.adapters.talker_codec import (
     ChunkPolicy,
     ChunkStreamer,
@@ -60,6 +59,7 @@ from voicewire.adapters.talker_layout import (
     FrameParser,
     build_prompt,
 )
+from voicewire.protocol.engine import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest
 
 log = logging.getLogger("voicewire.talker")
 

@@ -54,7 +54,8 @@ from multiprocessing.process import BaseProcess
 from typing import Literal
 
 import msgspec
-from voicewire.adapters.base import AudioPiece, Engine, EngineInfo, SynthesisRequest
+from voicewire.adapters.base import Engine
+from voicewire.protocol.engine import AudioPiece, EngineInfo, SynthesisRequest
 
 log = logging.getLogger("voicewire.workers")
 

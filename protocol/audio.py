@@ -25,6 +25,7 @@ import numpy as np
 import soundfile as sf
 import soxr
 from numpy.typing import NDArray
+from voicewire.protocol.engine import FloatAudio
 
 __all__ = [
     "CONTENT_TYPES",
@@ -45,8 +46,6 @@ __all__ = [
     "time_stretch",
     "wav_header",
 ]
-
-FloatArray = NDArray[np.float32]
 
 AudioFormat = Literal["pcm", "wav", "mulaw", "alaw", "flac", "mp3", "opus"]
 RawFormat = Literal["pcm", "mulaw", "alaw"]
@@ -80,7 +79,7 @@ CODEC_RATES: Final[dict[str, tuple[int, ...]]] = {
 # --- sample encodings --------------------------------------------------------------------------------
 
 
-def _to_int16(x: FloatArray) -> NDArray[np.int16]:
+def _to_int16(x: FloatAudio) -> NDArray[np.int16]:
     """round(clip(x, -1, 1) * 32767) as int16: one temporary, then in-place passes (hot path)."""
     scaled = np.clip(np.asarray(x, dtype=np.float32), -1.0, 1.0)
     scaled *= np.float32(_PCM16_SCALE)
@@ -116,14 +115,14 @@ def _build_alaw_table() -> NDArray[np.uint8]:
     return table
 
 
-def _build_mulaw_decode_table() -> FloatArray:
+def _build_mulaw_decode_table() -> FloatAudio:
     u = ~np.arange(256, dtype=np.int64) & 0xFF
     t = (((u & 0x0F) << 3) + 0x84) << ((u & 0x70) >> 4)
     linear = np.where(u & 0x80, 0x84 - t, t - 0x84)
     return (linear * _DECODE_SCALE).astype(np.float32)
 
 
-def _build_alaw_decode_table() -> FloatArray:
+def _build_alaw_decode_table() -> FloatAudio:
     a = np.arange(256, dtype=np.int64) ^ 0x55
     seg = (a & 0x70) >> 4
     t = (a & 0x0F) << 4
@@ -138,32 +137,32 @@ _MULAW_DECODE: Final = _build_mulaw_decode_table()
 _ALAW_DECODE: Final = _build_alaw_decode_table()
 
 
-def float_to_pcm16(x: FloatArray) -> bytes:
+def float_to_pcm16(x: FloatAudio) -> bytes:
     """Little-endian signed 16-bit PCM, 2 bytes per sample: ``round(clip(x, -1, 1) * 32767)``."""
     return _to_int16(x).astype("<i2", copy=False).tobytes()
 
 
-def float_to_mulaw(x: FloatArray) -> bytes:
+def float_to_mulaw(x: FloatAudio) -> bytes:
     """G.711 mu-law, 1 byte per sample, bit-exact with the reference encoder applied to ``float_to_pcm16``."""
     return _MULAW_ENCODE[_to_int16(x).view(np.uint16)].tobytes()
 
 
-def float_to_alaw(x: FloatArray) -> bytes:
+def float_to_alaw(x: FloatAudio) -> bytes:
     """G.711 A-law, 1 byte per sample, bit-exact with the reference encoder applied to ``float_to_pcm16``."""
     return _ALAW_ENCODE[_to_int16(x).view(np.uint16)].tobytes()
 
 
-def mulaw_to_float(b: bytes) -> FloatArray:
+def mulaw_to_float(b: bytes) -> FloatAudio:
     """Decode G.711 mu-law bytes to float32 (reference decoder output / 32768), one sample per byte."""
     return _MULAW_DECODE[np.frombuffer(b, dtype=np.uint8)]
 
 
-def alaw_to_float(b: bytes) -> FloatArray:
+def alaw_to_float(b: bytes) -> FloatAudio:
     """Decode G.711 A-law bytes to float32 (reference decoder output / 32768), one sample per byte."""
     return _ALAW_DECODE[np.frombuffer(b, dtype=np.uint8)]
 
 
-def encode_raw(x: FloatArray, fmt: RawFormat) -> bytes:
+def encode_raw(x: FloatAudio, fmt: RawFormat) -> bytes:
     """Headerless samples in ``fmt``: one streamed chunk (``wav`` streams ``pcm`` after its header)."""
     if fmt == "pcm":
         return float_to_pcm16(x)
@@ -253,13 +252,13 @@ def codec_rate(fmt: str, requested: int) -> int:
     return next((r for r in rates if r >= requested), rates[-1])
 
 
-def _soundfile_bytes(x: FloatArray, sample_rate: int, container: str, subtype: str) -> bytes:
+def _soundfile_bytes(x: FloatAudio, sample_rate: int, container: str, subtype: str) -> bytes:
     buffer = io.BytesIO()
     sf.write(buffer, np.clip(x, -1.0, 1.0), sample_rate, format=container, subtype=subtype)
     return buffer.getvalue()
 
 
-def encode_file(x: FloatArray, sample_rate: int, fmt: AudioFormat) -> bytes:
+def encode_file(x: FloatAudio, sample_rate: int, fmt: AudioFormat) -> bytes:
     """Encode a whole mono signal into one complete, decodable file in memory.
 
     - ``wav``: 16-bit PCM with an exact-size 44-byte header.
@@ -302,7 +301,7 @@ def _resampled_length(n_in: int, in_rate: int, out_rate: int) -> int:
     return q
 
 
-def _fit_length(y: FloatArray, length: int) -> FloatArray:
+def _fit_length(y: FloatAudio, length: int) -> FloatAudio:
     if len(y) >= length:
         return y[:length]
     return np.concatenate([y, np.zeros(length - len(y), dtype=np.float32)])
@@ -332,12 +331,12 @@ class StreamResampler:
         self._total_in = 0
         self._total_out = 0
 
-    def process(self, x: FloatArray, last: bool = False) -> FloatArray:
+    def process(self, x: FloatAudio, last: bool = False) -> FloatAudio:
         """Resample the next chunk; returns what is ready (float32, 1-D). Equal rates return ``x`` itself."""
         x = np.asarray(x, dtype=np.float32)
         if self._stream is None:
             return x
-        y: FloatArray = self._stream.resample_chunk(x, last=last)
+        y: FloatAudio = self._stream.resample_chunk(x, last=last)
         self._total_in += len(x)
         if not last:
             self._total_out += len(y)
@@ -348,7 +347,7 @@ class StreamResampler:
         return _fit_length(y, max(remaining, 0))
 
 
-def resample(x: FloatArray, in_rate: int, out_rate: int) -> FloatArray:
+def resample(x: FloatAudio, in_rate: int, out_rate: int) -> FloatAudio:
     """One-shot resampling of a whole signal to exactly ``round(len(x) * out_rate / in_rate)`` samples."""
     x = np.asarray(x, dtype=np.float32)
     if in_rate == out_rate:
@@ -362,7 +361,7 @@ def resample(x: FloatArray, in_rate: int, out_rate: int) -> FloatArray:
 _WSOLA_FRAME_S: Final = 0.025
 
 
-def time_stretch(x: FloatArray, sample_rate: int, factor: float) -> FloatArray:
+def time_stretch(x: FloatAudio, sample_rate: int, factor: float) -> FloatAudio:
     """Change tempo without changing pitch, by WSOLA (waveform-similarity overlap-add).
 
     ``factor`` > 1 speeds up (2.0 = half the duration), < 1 slows down. The output has exactly
@@ -417,7 +416,7 @@ def time_stretch(x: FloatArray, sample_rate: int, factor: float) -> FloatArray:
 # --- level -------------------------------------------------------------------------------------------
 
 
-def apply_gain(x: FloatArray, gain_db: float, ceiling: float = 0.98) -> FloatArray:
+def apply_gain(x: FloatAudio, gain_db: float, ceiling: float = 0.98) -> FloatAudio:
     """Scale ``x`` by ``gain_db`` decibels, lowering the gain so the peak never exceeds ``ceiling``.
 
     This is a per-call peak-normalising limiter: the gain is ``min(10 ** (gain_db / 20), ceiling / peak)``

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
+from voicewire.protocol.audio import AudioFormat
+from voicewire.protocol.segmenter import SplitGranularity
 
-ResponseFormat = Literal["pcm", "wav", "mulaw", "alaw", "flac", "mp3", "opus"]
-SplitGranularity = Literal["none", "sentence", "clause"]
 AudioFrames = Literal["binary", "json"]
 
 SPEED_MIN: Final = 0.25
@@ -50,7 +50,7 @@ class SessionConfig(msgspec.Struct, tag="session.config", tag_field="type", kw_o
     language: str | None = None
     instructions: str | None = None
     speed: Annotated[float, msgspec.Meta(ge=SPEED_MIN, le=SPEED_MAX)] = 1.0
-    response_format: ResponseFormat = "wav"
+    response_format: AudioFormat = "wav"
     sample_rate: Annotated[int, msgspec.Meta(ge=SAMPLE_RATE_MIN, le=SAMPLE_RATE_MAX)] | None = None
     stream_audio: bool = False
     split_granularity: SplitGranularity = "none"
@@ -170,7 +170,7 @@ class EffectiveConfig(msgspec.Struct, kw_only=True):
     language: str | None
     instructions: str | None
     speed: float
-    response_format: ResponseFormat
+    response_format: AudioFormat
     sample_rate: int
     stream_audio: bool
     split_granularity: SplitGranularity
@@ -195,7 +195,7 @@ class AudioStart(msgspec.Struct, tag="audio.start", tag_field="type", kw_only=Tr
     utterance_index: int
     sentence_index: int
     sentence_text: str
-    format: ResponseFormat
+    format: AudioFormat
     word_timestamps: bool = False
     sample_rate: int
     channels: int

@@ -1,5 +1,6 @@
 """From engine audio to what a client receives for one unit: speed, rate, format, timeline.
 
+`render_plan` says how a unit under a config is rendered and `synthesis_request` what its engine is asked;
 `UnitRenderer` is fed the engine's `AudioPiece`s of one unit in order and returns the bytes to send in
 the negotiated format, plus the unit's words on the unit's own timeline (milliseconds from the unit's
 first output sample; `place_words` moves them onto the utterance timeline). Pure: no I/O, no clock.
@@ -14,15 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from voicewire.adapters.base import AudioPiece, FloatAudio, WordSpan
 from voicewire.protocol.audio import (
+    AudioFormat,
     StreamResampler,
     encode_file,
     encode_raw,
     time_stretch,
     wav_header,
 )
-from voicewire.protocol.messages import ResponseFormat, WordTiming
+from voicewire.protocol.engine import AudioPiece, EngineInfo, FloatAudio, SynthesisRequest, WordSpan
+from voicewire.protocol.messages import EffectiveConfig, WordTiming
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +35,7 @@ class RenderPlan:
     tempo factor applied afterwards (1.0 = none), so the heard speed is `engine_speed * stretch`.
     """
 
-    response_format: ResponseFormat
+    response_format: AudioFormat
     stream: bool
     native_rate: int
     output_rate: int
@@ -114,6 +116,36 @@ class UnitRenderer:
     def _words(self, spans: tuple[WordSpan, ...]) -> list[tuple[int, int, float, float]]:
         scale = 1000.0 / (self.plan.native_rate * self.plan.stretch)
         return [(w.char_start, w.char_end, w.start_sample * scale, w.end_sample * scale) for w in spans]
+
+
+SECONDS_PER_CHAR_ESTIMATE = 0.065
+"""Rough speech duration of one character (`estimate_seconds`)."""
+
+
+def estimate_seconds(text: str, config: EffectiveConfig) -> float:
+    """Expected audio duration of `text` under `config`, for playback deadlines of units not yet heard."""
+    return len(text) * SECONDS_PER_CHAR_ESTIMATE / config.speed
+
+
+def render_plan(config: EffectiveConfig, info: EngineInfo, *, stream: bool | None = None) -> RenderPlan:
+    """How a unit under `config` is rendered: engine speed, extra time-stretch, rates, format."""
+    engine_speed, stretch = plan_speed(config.speed, info.capabilities.speed_range)
+    return RenderPlan(response_format=config.response_format,
+                      stream=config.stream_audio if stream is None else stream,
+                      native_rate=info.sample_rate, output_rate=config.sample_rate,
+                      engine_speed=engine_speed, stretch=stretch)
+
+
+def synthesis_request(request_id: str, text: str, config: EffectiveConfig, plan: RenderPlan) -> SynthesisRequest:
+    # Codec-frame options are accepted only for engines that honour them (resolve_config).
+    options: dict[str, object] = {}
+    if config.initial_codec_chunk_frames is not None:
+        options["initial_codec_chunk_frames"] = config.initial_codec_chunk_frames
+    if config.max_new_tokens is not None:
+        options["max_new_tokens"] = config.max_new_tokens
+    return SynthesisRequest(request_id=request_id, text=text, voice=config.voice, speed=plan.engine_speed,
+                            language=config.language, seed=config.seed, instructions=config.instructions,
+                            options=options)
 
 
 def place_words(

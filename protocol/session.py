@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from voicewire.protocol.audio import STREAMABLE_FORMATS, codec_rate
+from voicewire.protocol.engine import EngineInfo
 from voicewire.protocol.messages import (
     ClientMessage,
     EffectiveConfig,
@@ -48,20 +49,27 @@ class State(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class ServerFacts:
-    """What the state machine needs to know about the server to resolve and validate a config."""
+    """What the state machine needs to know about the server to resolve and validate a config: the started
+    engine's `info` (its capabilities decide which request fields are honoured), and what is published
+    of it in `session.updated` (`engine`, derived from `info`)."""
 
-    engine: EngineDescription
+    info: EngineInfo
     limits: Limits
     model_names: frozenset[str]
     voice_aliases: dict[str, str]
     languages: frozenset[str]
-    supports_instructions: bool
-    supports_seed: bool
-    supports_codec_chunking: bool
     voice_exists: Callable[[str], bool] = field(default=lambda _name: False)
     """Voices beyond the engine's own (uploaded ones); they need a cloning engine."""
     cloning_engines: tuple[str, ...] = ()
     """Engines of this build that can speak uploaded voices (named in the refusal)."""
+    engine: EngineDescription = field(init=False)
+
+    def __post_init__(self) -> None:
+        info, caps = self.info, self.info.capabilities
+        object.__setattr__(self, "engine", EngineDescription(
+            name=info.name, sample_rate=info.sample_rate, voices=list(info.voices),
+            default_voice=info.default_voice, languages=list(info.languages), word_timestamps=caps.word_timings,
+            voice_cloning=caps.voice_cloning, native_speed=list(caps.speed_range)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,17 +329,18 @@ def resolve_config(msg: SessionConfig, facts: ServerFacts) -> EffectiveConfig:
     if language is not None and language.lower() not in facts.languages:
         raise _bad("language", f"language {language!r} is not supported by engine {engine.name}; "
                    f"supported: {', '.join(sorted(facts.languages))}")
-    if msg.instructions and not facts.supports_instructions:
+    caps = facts.info.capabilities
+    if msg.instructions and not caps.instructions:
         raise _unsupported("instructions", engine.name)
     for name in ("ref_audio", "ref_text", "speaker_embedding", "x_vector_only_mode"):
         if getattr(msg, name) is not None and not engine.voice_cloning:
             raise _unsupported(name, engine.name, "it cannot clone voices")
     if msg.task_type not in (None, "CustomVoice") and not engine.voice_cloning:
         raise _unsupported("task_type", engine.name, "it only has predefined voices (CustomVoice)")
-    if msg.seed is not None and not facts.supports_seed:
+    if msg.seed is not None and not caps.seed:
         raise _unsupported("seed", engine.name)
     for name in ("max_new_tokens", "initial_codec_chunk_frames"):
-        if getattr(msg, name) is not None and not facts.supports_codec_chunking:
+        if getattr(msg, name) is not None and not caps.codec_frames:
             raise _unsupported(name, engine.name, "it is not a codec-token engine")
     if msg.stream_audio and msg.response_format not in STREAMABLE_FORMATS:
         raise _bad("response_format", f"stream_audio=true needs one of {', '.join(sorted(STREAMABLE_FORMATS))}; "

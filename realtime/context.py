@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from voicewire.adapters.base import Engine
 from voicewire.adapters.registry import CLONING_ENGINES
-from voicewire.protocol.messages import EngineDescription, Limits
+from voicewire.protocol.messages import Limits
 from voicewire.protocol.session import ServerFacts
 from voicewire.realtime.auth import AccessControl
 from voicewire.realtime.metrics import Metrics
@@ -44,13 +44,8 @@ class ServerContext:
         self.scheduler = Scheduler(info.max_concurrency)
         aliases = {name: info.default_voice for name in OPENAI_VOICE_NAMES}
         aliases.update({k.lower(): v for k, v in s.voice_aliases.items()})
-        caps = info.capabilities
         self.facts = ServerFacts(
-            engine=EngineDescription(
-                name=info.name, sample_rate=info.sample_rate, voices=list(info.voices),
-                default_voice=info.default_voice, languages=list(info.languages),
-                word_timestamps=caps.word_timings, voice_cloning=caps.voice_cloning,
-                native_speed=list(caps.speed_range)),
+            info=info,
             limits=Limits(
                 config_timeout_s=s.config_timeout_s, idle_timeout_s=s.idle_timeout_s,
                 stall_timeout_s=s.stall_timeout_s, max_message_bytes=s.max_message_bytes,
@@ -62,9 +57,6 @@ class ServerContext:
             model_names=frozenset({info.name, *s.model_aliases}),
             voice_aliases=aliases,
             languages=_language_names(info.languages),
-            supports_instructions=caps.instructions,
-            supports_seed=caps.seed,
-            supports_codec_chunking=caps.codec_frames,
             voice_exists=self._uploaded_voice_exists,
             cloning_engines=CLONING_ENGINES,
         )

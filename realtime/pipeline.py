@@ -14,43 +14,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from voicewire.adapters.base import EngineInfo, SynthesisRequest
+from voicewire.protocol.engine import SynthesisRequest
 from voicewire.protocol.messages import EffectiveConfig
-from voicewire.protocol.render import RenderedPiece, RenderPlan, UnitRenderer, plan_speed
+from voicewire.protocol.render import RenderedPiece, UnitRenderer, render_plan, synthesis_request
 from voicewire.realtime.context import ServerContext
-
-SECONDS_PER_CHAR_ESTIMATE = 0.065
-"""Rough speech duration of one character (`estimate_seconds`)."""
-
-
-def estimate_seconds(text: str, config: EffectiveConfig) -> float:
-    """Expected audio duration of `text` under `config`, for playback deadlines of units not yet heard."""
-    return len(text) * SECONDS_PER_CHAR_ESTIMATE / config.speed
 
 
 class UnitTimeout(Exception):
     """A unit's engine work ran past `Settings.unit_timeout_s`; it was cancelled."""
-
-
-def render_plan(config: EffectiveConfig, info: EngineInfo, *, stream: bool | None = None) -> RenderPlan:
-    """How a unit under `config` is rendered: engine speed, extra time-stretch, rates, format."""
-    engine_speed, stretch = plan_speed(config.speed, info.capabilities.speed_range)
-    return RenderPlan(response_format=config.response_format,
-                      stream=config.stream_audio if stream is None else stream,
-                      native_rate=info.sample_rate, output_rate=config.sample_rate,
-                      engine_speed=engine_speed, stretch=stretch)
-
-
-def synthesis_request(request_id: str, text: str, config: EffectiveConfig, plan: RenderPlan) -> SynthesisRequest:
-    # Codec-frame options are accepted only for engines that honour them (resolve_config).
-    options: dict[str, object] = {}
-    if config.initial_codec_chunk_frames is not None:
-        options["initial_codec_chunk_frames"] = config.initial_codec_chunk_frames
-    if config.max_new_tokens is not None:
-        options["max_new_tokens"] = config.max_new_tokens
-    return SynthesisRequest(request_id=request_id, text=text, voice=config.voice, speed=plan.engine_speed,
-                            language=config.language, seed=config.seed, instructions=config.instructions,
-                            options=options)
 
 
 async def synthesize_unit(ctx: ServerContext, request: SynthesisRequest, renderer: UnitRenderer, deadline: float,

@@ -31,9 +31,9 @@ import msgspec
 from aiohttp import BodyPartReader, hdrs, web
 from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
+from voicewire.protocol.encoders import REST_CONTENT_TYPES
 from voicewire.protocol.session import ServerFacts
 from voicewire.realtime.context import ServerContext
-from voicewire.realtime.encoders import REST_CONTENT_TYPES
 from voicewire.realtime.openai_errors import OpenAIError, bad_request, openai_error_middleware
 from voicewire.realtime.speech import (
     SpeechPlan,

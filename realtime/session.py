@@ -42,7 +42,7 @@ from voicewire.protocol.messages import (
     decode_client_message,
     encode_event,
 )
-from voicewire.protocol.render import RenderedPiece, place_words
+from voicewire.protocol.render import RenderedPiece, estimate_seconds, place_words
 from voicewire.protocol.session import (
     CLOSE_POLICY,
     Action,
@@ -56,7 +56,7 @@ from voicewire.protocol.session import (
     message_type,
 )
 from voicewire.realtime.context import ServerContext
-from voicewire.realtime.pipeline import UnitRun, UnitTimeout, estimate_seconds
+from voicewire.realtime.pipeline import UnitRun, UnitTimeout
 
 log = logging.getLogger("voicewire.session")
 

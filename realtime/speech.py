@@ -26,6 +26,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from voicewire.protocol.audio import codec_rate
+from voicewire.protocol.encoders import STREAMING_FORMATS, RestFormat, make_encoder
 from voicewire.protocol.messages import (
     SAMPLE_RATE_MAX,
     SAMPLE_RATE_MIN,
@@ -36,13 +37,12 @@ from voicewire.protocol.messages import (
     SessionConfig,
     WordTiming,
 )
-from voicewire.protocol.render import RenderedPiece, place_words
+from voicewire.protocol.render import RenderedPiece, estimate_seconds, place_words
 from voicewire.protocol.segmenter import Segmenter
 from voicewire.protocol.session import ServerFacts, resolve_config
 from voicewire.realtime.context import ServerContext
-from voicewire.realtime.encoders import STREAMING_FORMATS, RestFormat, make_encoder
 from voicewire.realtime.openai_errors import OpenAIError, bad_request, from_protocol_error
-from voicewire.realtime.pipeline import UnitRun, estimate_seconds
+from voicewire.realtime.pipeline import UnitRun
 
 Delivery = Literal["stream", "sse", "whole"]
 

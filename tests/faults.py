@@ -20,8 +20,9 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 from pathlib import Path
 
-from voicewire.adapters.base import AudioPiece, Engine, EngineInfo, SynthesisRequest
+from voicewire.adapters.base import Engine
 from voicewire.adapters.hibari import HibariEngine
+from voicewire.protocol.engine import AudioPiece, EngineInfo, SynthesisRequest
 
 BURN_S = 600.0
 

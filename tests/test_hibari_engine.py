@@ -8,8 +8,9 @@ from collections.abc import AsyncGenerator, Iterator
 import numpy as np
 import pytest
 from hibari import Hibari
-from voicewire.adapters.base import AudioPiece, Engine, SynthesisRequest, WordSpan
+from voicewire.adapters.base import Engine
 from voicewire.adapters.hibari import DURATION_UNIT, HibariEngine
+from voicewire.protocol.engine import AudioPiece, SynthesisRequest, WordSpan
 
 TOLKIEN = "On the 3rd of March 2024, Dr. Smith paid $9.99 to J. R. R. Tolkien's estate."
 TOLKIEN_WORDS = [

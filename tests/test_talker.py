@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import websockets
-from voicewire.adapters.base import SynthesisRequest
 from voicewire.adapters.talker import TalkerConfig, TalkerEngine, load_voices
 from voicewire.adapters.talker_codec import ChunkPolicy
 from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLES_PER_FRAME
 from voicewire.adapters.talker_testing import write_snac, write_talker
+from voicewire.protocol.engine import SynthesisRequest
 from voicewire.realtime.settings import Settings
 
 from tests.server import ServerThread
