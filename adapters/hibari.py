@@ -206,8 +206,8 @@ class HibariEngine:
                 word_timings=True,
                 voice_cloning=False,
                 speed_range=SPEED_RANGE,
-                seed=True,
                 streaming="unit",
+                fields=frozenset({"seed"}),
             ),
             max_concurrency=workers,
         )

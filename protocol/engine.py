@@ -14,8 +14,10 @@ many run at once (`EngineInfo.max_concurrency`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Annotated, Any, Final
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -50,38 +52,121 @@ class AudioPiece:
     words: tuple[WordSpan, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class SynthesisRequest:
-    """One unit to synthesize.
+SPEED_MIN: Final = 0.25
+SPEED_MAX: Final = 4.0
+
+
+class VoiceReference(msgspec.Struct, forbid_unknown_fields=False):
+    """One entry of `references` (Higgs Audio's form of `ref_audio` + `ref_text`)."""
+
+    audio_path: str
+    text: str | None = None
+
+
+class SpeechParams(msgspec.Struct, kw_only=True, frozen=True):
+    """What to synthesize besides the text and the voice: the engine's request fields, one typed vocabulary.
+
+    The WebSocket `session.config` (`messages.SessionConfig`) and the REST speech request
+    (`realtime.speech.SpeechRequest`) both inherit these fields with their bounds, and the engine receives
+    them as typed fields of `SynthesisRequest`. A field left at None is "not asked for". Every other field
+    must be honoured by the engine, or it is refused (`unhonoured`, driven by `EngineCapabilities`): never
+    ignored silently. `speed` is always honoured (beyond the engine's native range by a time stretch).
+
+    Adding a field: declare it here, name it in the `EngineCapabilities.fields` of each engine that
+    honours it, and read it in that engine's `synthesize`. Nothing else changes.
+    """
+
+    speed: Annotated[float, msgspec.Meta(ge=SPEED_MIN, le=SPEED_MAX)] = 1.0
+    language: str | None = None
+    """Checked against `EngineInfo.languages` rather than a capability."""
+    instructions: str | None = None
+    task_type: str | None = None
+    """vllm-omni's task; gated by `EngineCapabilities.task_types`, not `fields`."""
+    ref_audio: str | None = None
+    ref_text: str | None = None
+    x_vector_only_mode: bool | None = None
+    speaker_embedding: list[float] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    initial_codec_chunk_frames: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
+    non_streaming_mode: bool | None = None
+    ref_audio_2: str | None = None
+    ambient_sound: str | None = None
+    duration_seconds: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    references: list[VoiceReference] | None = None
+    extra_params: dict[str, Any] | None = None
+
+
+SPEECH_FIELDS: Final[tuple[str, ...]] = SpeechParams.__struct_fields__
+
+
+def speech_fields(source: SpeechParams) -> dict[str, Any]:
+    """The `SpeechParams` fields of `source` (a `SessionConfig`, a `SpeechRequest`, ...) by name, to pass on
+    as keyword arguments."""
+    return {name: getattr(source, name) for name in SPEECH_FIELDS}
+
+
+def speech_params(source: SpeechParams) -> SpeechParams:
+    """The `SpeechParams` part of `source`, field for field."""
+    return SpeechParams(**speech_fields(source))
+
+
+class SynthesisRequest(SpeechParams, kw_only=True, frozen=True):
+    """One unit to synthesize: its text, the engine voice, and every `SpeechParams` field as accepted.
 
     `speed` is within the engine's native range (`EngineCapabilities.speed_range`); the caller does any
-    time-stretch beyond it. `seed`, when set, makes the audio of the same request reproducible.
+    time-stretch beyond it. `seed`, when set, makes the audio of the same request reproducible. Fields
+    the engine does not name in `EngineCapabilities.fields` are always None here (they were refused).
     `request_id` is unique per server and is what the engine logs and aborts by.
     """
 
     request_id: str
     text: str
     voice: str
-    speed: float = 1.0
-    language: str | None = None
-    seed: int | None = None
-    instructions: str | None = None
-    options: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineCapabilities:
-    """What an engine can honour; the session refuses config fields an engine cannot honour."""
+    """What an engine can honour; requests asking for anything else are refused (`unhonoured`)."""
 
     word_timings: bool
     voice_cloning: bool
     speed_range: tuple[float, float]
-    instructions: bool = False
-    seed: bool = False
     streaming: str = "unit"
     """`unit`: each request yields its audio once it is computed; `frame`: audio arrives in small chunks."""
-    codec_frames: bool = False
-    """Honours `max_new_tokens` and `initial_codec_chunk_frames` (codec-token talkers)."""
+    fields: frozenset[str] = frozenset()
+    """The optional `SpeechParams` fields the engine acts on (`seed`, `instructions`, ...)."""
+    task_types: tuple[str, ...] = ("CustomVoice",)
+    """The vllm-omni `task_type`s the engine serves: `CustomVoice` is speaking one of its own voices."""
+
+    def __post_init__(self) -> None:
+        unknown = self.fields - set(SPEECH_FIELDS)
+        if unknown:
+            raise ValueError(f"EngineCapabilities.fields names no request field: {', '.join(sorted(unknown))}")
+
+
+_WHY_NOT: Final[dict[str, str]] = {
+    **dict.fromkeys(("ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding", "ref_audio_2",
+                     "references"), "it cannot clone voices"),
+    **dict.fromkeys(("max_new_tokens", "initial_codec_chunk_frames"), "it is not a codec-token engine"),
+}
+"""Why an engine without a field cannot honour it, where there is more to say than "it cannot"."""
+
+
+def unhonoured(params: SpeechParams, capabilities: EngineCapabilities) -> tuple[str, str] | None:
+    """The first field of `params` an engine with `capabilities` cannot honour, and why; None when there
+    is none. A field counts as asked for unless it is None or empty ("", [], {}); `speed` and `language`
+    are not capabilities (see `SpeechParams`)."""
+    for name in SPEECH_FIELDS:
+        value = getattr(params, name)
+        if name in ("speed", "language") or value is None or (isinstance(value, str | list | dict) and not value):
+            continue
+        if name == "task_type":
+            if value not in capabilities.task_types:
+                return name, f"it only serves task_type {', '.join(capabilities.task_types)}"
+        elif name not in capabilities.fields:
+            return name, _WHY_NOT.get(name, "it cannot honour it")
+    return None
 
 
 @dataclass(frozen=True, slots=True)

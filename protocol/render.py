@@ -23,7 +23,15 @@ from voicewire.protocol.audio import (
     time_stretch,
     wav_header,
 )
-from voicewire.protocol.engine import AudioPiece, EngineInfo, FloatAudio, SynthesisRequest, WordSpan
+from voicewire.protocol.engine import (
+    AudioPiece,
+    EngineInfo,
+    FloatAudio,
+    SpeechParams,
+    SynthesisRequest,
+    WordSpan,
+    speech_fields,
+)
 from voicewire.protocol.messages import EffectiveConfig, WordTiming
 
 
@@ -136,16 +144,12 @@ def render_plan(config: EffectiveConfig, info: EngineInfo, *, stream: bool | Non
                       engine_speed=engine_speed, stretch=stretch)
 
 
-def synthesis_request(request_id: str, text: str, config: EffectiveConfig, plan: RenderPlan) -> SynthesisRequest:
-    # Codec-frame options are accepted only for engines that honour them (resolve_config).
-    options: dict[str, object] = {}
-    if config.initial_codec_chunk_frames is not None:
-        options["initial_codec_chunk_frames"] = config.initial_codec_chunk_frames
-    if config.max_new_tokens is not None:
-        options["max_new_tokens"] = config.max_new_tokens
-    return SynthesisRequest(request_id=request_id, text=text, voice=config.voice, speed=plan.engine_speed,
-                            language=config.language, seed=config.seed, instructions=config.instructions,
-                            options=options)
+def synthesis_request(request_id: str, text: str, config: EffectiveConfig, params: SpeechParams,
+                      plan: RenderPlan) -> SynthesisRequest:
+    """The engine request for one unit: `params` as accepted (`resolve_config` refused what the engine
+    cannot honour), the resolved voice of `config` and the engine's share of the speed (`plan`)."""
+    return SynthesisRequest(request_id=request_id, text=text, voice=config.voice,
+                            **{**speech_fields(params), "speed": plan.engine_speed})
 
 
 def place_words(

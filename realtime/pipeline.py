@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from voicewire.protocol.engine import SynthesisRequest
+from voicewire.protocol.engine import SpeechParams, SynthesisRequest
 from voicewire.protocol.messages import EffectiveConfig
 from voicewire.protocol.render import RenderedPiece, UnitRenderer, render_plan, synthesis_request
 from voicewire.realtime.context import ServerContext
@@ -70,13 +70,14 @@ class UnitRun:
     engine_s: float = 0.0
 
     @classmethod
-    def start(cls, ctx: ServerContext, request_id: str, text: str, config: EffectiveConfig, deadline: float,
-              wake: Callable[[], None], *, stream: bool | None = None) -> UnitRun:
+    def start(cls, ctx: ServerContext, request_id: str, text: str, config: EffectiveConfig, params: SpeechParams,
+              deadline: float, wake: Callable[[], None], *, stream: bool | None = None) -> UnitRun:
         """Render `text` under `config` (`render_plan`, `stream` as there) through `synthesize_unit` as engine
-        request `request_id`; `wake()` is called after every piece and once when the unit is done. Cancelling
-        `task` cancels the unit (the engine iterator is closed)."""
+        request `request_id` with the engine fields `params` (`synthesis_request`); `wake()` is called after
+        every piece and once when the unit is done. Cancelling `task` cancels the unit (the engine iterator
+        is closed)."""
         renderer = UnitRenderer(render_plan(config, ctx.engine.info, stream=stream))
-        request = synthesis_request(request_id, text, config, renderer.plan)
+        request = synthesis_request(request_id, text, config, params, renderer.plan)
         run = cls()
 
         def sink(piece: RenderedPiece) -> None:

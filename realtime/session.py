@@ -341,7 +341,7 @@ class SessionRuntime:
     def _start(self, job: UnitJob) -> None:
         unit = job.unit
         run = job.run = UnitRun.start(self.ctx, f"{self.session_id}-{unit.utterance_index}-{unit.sentence_index}",
-                                      unit.text, unit.config, self._deadline(job), self._wake.set)
+                                      unit.text, unit.config, unit.params, self._deadline(job), self._wake.set)
         self.engine_requests_started += 1
         self._unit_tasks.add(run.task)
         run.task.add_done_callback(self._unit_tasks.discard)

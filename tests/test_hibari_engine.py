@@ -72,7 +72,7 @@ def test_engine_info_describes_hibari(engine: HibariEngine) -> None:
         "heart",
     )
     assert info.languages == ("en",)
-    assert info.capabilities.word_timings and info.capabilities.seed and not info.capabilities.voice_cloning
+    assert info.capabilities.word_timings and "seed" in info.capabilities.fields and not info.capabilities.voice_cloning
     assert info.capabilities.speed_range == (0.5, 2.0)
     assert info.capabilities.streaming == "unit"
     assert info.max_concurrency == 1

@@ -28,7 +28,7 @@ from voicewire.protocol.session import (
 FACTS = ServerFacts(
     info=EngineInfo(name="hibari", sample_rate=24000, voices=("heart",), default_voice="heart", languages=("en",),
                     capabilities=EngineCapabilities(word_timings=True, voice_cloning=False, speed_range=(0.5, 2.0),
-                                                    seed=True),
+                                                    fields=frozenset({"seed"})),
                     max_concurrency=1),
     limits=Limits(config_timeout_s=10, idle_timeout_s=30, stall_timeout_s=15, max_message_bytes=1024,
                   max_config_bytes=4096, max_utterance_chars=100, max_unit_chars=250, max_units_in_flight=2,

@@ -197,7 +197,7 @@ async def test_voice_prompt_prefix_is_cached_per_voice_and_never_shared(talker_s
     async def cached_tokens(voice: str, index: int) -> int:
         before = eng.stats.cached_prompt_tokens
         request = SynthesisRequest(request_id=f"prefix-{voice}-{index}", text="Same words, same voice.",
-                                   voice=voice, seed=0, options={"max_new_tokens": 2 * CODES_PER_FRAME})
+                                   voice=voice, seed=0, max_new_tokens=2 * CODES_PER_FRAME)
         async for _ in eng.synthesize(request):
             pass
         return eng.stats.cached_prompt_tokens - before
