@@ -1,4 +1,4 @@
-"""Audio format math: sample encodings, WAV headers, whole-file encoding, resampling, tempo and gain.
+"""Audio format math: sample encodings, WAV headers, whole-file encoding, resampling and tempo.
 
 Pure functions and one small stateful class, no I/O and no asyncio: the session runtime calls these on
 every audio chunk, so everything is vectorised numpy.
@@ -34,7 +34,6 @@ __all__ = [
     "RawFormat",
     "StreamResampler",
     "alaw_to_float",
-    "apply_gain",
     "bytes_per_sample",
     "encode_file",
     "encode_raw",
@@ -411,24 +410,3 @@ def time_stretch(x: FloatAudio, sample_rate: int, factor: float) -> FloatAudio:
     out[: len(even)] += even
     out[hop : hop + len(odd)] += odd
     return out[hop : hop + n_out]
-
-
-# --- level -------------------------------------------------------------------------------------------
-
-
-def apply_gain(x: FloatAudio, gain_db: float, ceiling: float = 0.98) -> FloatAudio:
-    """Scale ``x`` by ``gain_db`` decibels, lowering the gain so the peak never exceeds ``ceiling``.
-
-    This is a per-call peak-normalising limiter: the gain is ``min(10 ** (gain_db / 20), ceiling / peak)``
-    for the peak of *this* call's samples, so two chunks of one stream can get different gains. Apply it to
-    whole units (or accept level steps between chunks). Returns a new array, or ``x`` itself when the gain
-    is exactly 1.
-    """
-    x = np.asarray(x, dtype=np.float32)
-    gain = 10.0 ** (gain_db / 20.0)
-    peak = float(np.max(np.abs(x))) if len(x) else 0.0
-    if peak * gain > ceiling:
-        gain = ceiling / peak
-    if gain == 1.0:
-        return x
-    return x * np.float32(gain)

@@ -14,7 +14,8 @@ many run at once (`EngineInfo.max_concurrency`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Final
 
 import msgspec
@@ -69,7 +70,8 @@ class SpeechParams(msgspec.Struct, kw_only=True, frozen=True):
     The WebSocket `session.config` (`messages.SessionConfig`) and the REST speech request
     (`realtime.speech.SpeechRequest`) both inherit these fields with their bounds, and the engine receives
     them as typed fields of `SynthesisRequest`. A field left at None is "not asked for". Every other field
-    must be honoured by the engine, or it is refused (`unhonoured`, driven by `EngineCapabilities`): never
+    must be honoured by the engine (`EngineCapabilities.fields`, or `.values` for fields it honours with
+    some values only), or it is refused (`unhonoured`, driven by those capabilities): never
     ignored silently. `speed` is always honoured (beyond the engine's native range by a time stretch).
 
     Adding a field: declare it here, name it in the `EngineCapabilities.fields` of each engine that
@@ -81,7 +83,7 @@ class SpeechParams(msgspec.Struct, kw_only=True, frozen=True):
     """Checked against `EngineInfo.languages` rather than a capability."""
     instructions: str | None = None
     task_type: str | None = None
-    """vllm-omni's task; gated by `EngineCapabilities.task_types`, not `fields`."""
+    """vllm-omni's task (`CustomVoice`, `VoiceDesign`, `Base`)."""
     ref_audio: str | None = None
     ref_text: str | None = None
     x_vector_only_mode: bool | None = None
@@ -125,6 +127,12 @@ class SynthesisRequest(SpeechParams, kw_only=True, frozen=True):
     voice: str
 
 
+WHOLE_UNIT_VALUES: Final[Mapping[str, tuple[object, ...]]] = {
+    "task_type": ("CustomVoice",), "non_streaming_mode": (True,)}
+"""What an engine that speaks its own voices from a unit's whole text is: vllm-omni's `CustomVoice` task,
+in its non-streaming (whole text first) prompt mode."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineCapabilities:
     """What an engine can honour; requests asking for anything else are refused (`unhonoured`)."""
@@ -135,12 +143,12 @@ class EngineCapabilities:
     streaming: str = "unit"
     """`unit`: each request yields its audio once it is computed; `frame`: audio arrives in small chunks."""
     fields: frozenset[str] = frozenset()
-    """The optional `SpeechParams` fields the engine acts on (`seed`, `instructions`, ...)."""
-    task_types: tuple[str, ...] = ("CustomVoice",)
-    """The vllm-omni `task_type`s the engine serves: `CustomVoice` is speaking one of its own voices."""
+    """The optional `SpeechParams` fields the engine acts on, whatever their value (`seed`, ...)."""
+    values: Mapping[str, tuple[object, ...]] = field(default_factory=lambda: dict(WHOLE_UNIT_VALUES))
+    """Fields the engine honours with these values only (it always works that way)."""
 
     def __post_init__(self) -> None:
-        unknown = self.fields - set(SPEECH_FIELDS)
+        unknown = (self.fields | set(self.values)) - set(SPEECH_FIELDS)
         if unknown:
             raise ValueError(f"EngineCapabilities.fields names no request field: {', '.join(sorted(unknown))}")
 
@@ -161,11 +169,13 @@ def unhonoured(params: SpeechParams, capabilities: EngineCapabilities) -> tuple[
         value = getattr(params, name)
         if name in ("speed", "language") or value is None or (isinstance(value, str | list | dict) and not value):
             continue
-        if name == "task_type":
-            if value not in capabilities.task_types:
-                return name, f"it only serves task_type {', '.join(capabilities.task_types)}"
-        elif name not in capabilities.fields:
+        if name in capabilities.fields:
+            continue
+        allowed = capabilities.values.get(name)
+        if allowed is None:
             return name, _WHY_NOT.get(name, "it cannot honour it")
+        if value not in allowed:
+            return name, f"it only serves {name} {', '.join(map(str, allowed))}"
     return None
 
 

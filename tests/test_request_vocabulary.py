@@ -31,7 +31,7 @@ from tests.test_session_machine import FACTS
 
 VLLM_OMNI_EXTRAS: list[tuple[str, Any]] = [
     ("extra_params", {"temperature": 0.5}),
-    ("non_streaming_mode", True),
+    ("non_streaming_mode", False),
     ("ref_audio_2", "data:audio/wav;base64,AAAA"),
     ("ambient_sound", "waves on a beach"),
     ("duration_seconds", 3.5),
@@ -62,7 +62,7 @@ def test_a_field_the_engine_cannot_honour_is_refused_by_name_never_ignored(name:
 
 def test_the_engine_capabilities_decide_and_the_engine_gets_typed_fields() -> None:
     caps = dataclasses.replace(FACTS.info.capabilities, fields=frozenset({"seed", "instructions", "extra_params"}),
-                               task_types=("CustomVoice", "VoiceDesign"))
+                               values={"task_type": ("CustomVoice", "VoiceDesign")})
     facts = ServerFacts(info=dataclasses.replace(FACTS.info, capabilities=caps), limits=FACTS.limits,
                         model_names=FACTS.model_names, voice_aliases=FACTS.voice_aliases, languages=FACTS.languages)
     config = SessionConfig(split_granularity="sentence", instructions="Calmly.", task_type="VoiceDesign", seed=7,
@@ -85,7 +85,8 @@ def test_the_engine_capabilities_decide_and_the_engine_gets_typed_fields() -> No
 def test_empty_values_ask_for_nothing() -> None:
     caps = FACTS.info.capabilities
     assert unhonoured(SpeechParams(instructions="", extra_params={}, references=[]), caps) is None
-    assert unhonoured(SpeechParams(task_type="CustomVoice", seed=0, speed=4.0, language="en"), caps) is None
+    assert unhonoured(SpeechParams(task_type="CustomVoice", non_streaming_mode=True, seed=0, speed=4.0,
+                                   language="en"), caps) is None
 
 
 def test_capabilities_naming_no_request_field_are_a_bug_caught_at_construction() -> None:

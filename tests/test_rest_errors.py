@@ -38,7 +38,7 @@ BAD_SPEECH: list[tuple[str, dict[str, Any], int, str | None, str]] = [
     ("extra_params on hibari", {**OK, "extra_params": {"temperature": 0.5}}, 400, "extra_params",
      "invalid_value"),
     *((f"{name} on hibari", {**OK, name: value}, 400, name, "invalid_value") for name, value in (
-        ("non_streaming_mode", True), ("ref_audio_2", "data:audio/wav;base64,AAAA"),
+        ("non_streaming_mode", False), ("ref_audio_2", "data:audio/wav;base64,AAAA"),
         ("ambient_sound", "rain on a tin roof"), ("duration_seconds", 2.0),
         ("references", [{"audio_path": "data:audio/wav;base64,AAAA", "text": "Hi."}]))),
     ("negative seed", {**OK, "seed": -1}, 400, "seed", "invalid_value"),
