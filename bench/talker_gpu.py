@@ -360,7 +360,7 @@ def _cuda() -> bool:
 
 
 async def _until_ready(server: ServerThread) -> None:
-    while not server.ctx.ready:
+    while server.state.context is None:
         await asyncio.sleep(0.2)
 
 

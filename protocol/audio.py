@@ -1,4 +1,4 @@
-"""Audio format math: sample encodings, WAV headers, whole-file encoding, resampling and tempo.
+"""Audio format math: sample encodings, WAV headers, resampling and tempo (files: `protocol.encoders`).
 
 Pure functions and one small stateful class, no I/O and no asyncio: the session runtime calls these on
 every audio chunk, so everything is vectorised numpy.
@@ -17,12 +17,10 @@ Conventions shared by every function here:
 
 from __future__ import annotations
 
-import io
 import struct
 from typing import Final, Literal
 
 import numpy as np
-import soundfile as sf
 import soxr
 from numpy.typing import NDArray
 from voicewire.protocol.engine import FloatAudio
@@ -35,7 +33,7 @@ __all__ = [
     "StreamResampler",
     "alaw_to_float",
     "bytes_per_sample",
-    "encode_file",
+    "encode_pcm16",
     "encode_raw",
     "float_to_alaw",
     "float_to_mulaw",
@@ -172,6 +170,16 @@ def encode_raw(x: FloatAudio, fmt: RawFormat) -> bytes:
     raise ValueError(f"not a raw sample format: {fmt!r}")
 
 
+def encode_pcm16(pcm: bytes, fmt: RawFormat) -> bytes:
+    """`float_to_pcm16` output re-encoded as ``fmt``: the same bytes `encode_raw` gives for the float samples."""
+    if fmt == "pcm":
+        return pcm
+    table = {"mulaw": _MULAW_ENCODE, "alaw": _ALAW_ENCODE}.get(fmt)
+    if table is None:
+        raise ValueError(f"not a raw sample format: {fmt!r}")
+    return table[np.frombuffer(pcm, "<i2").view(np.uint16)].tobytes()
+
+
 def bytes_per_sample(fmt: str) -> int:
     """Bytes per mono sample of a streamable format: 2 for ``pcm``/``wav``, 1 for ``mulaw``/``alaw``."""
     if fmt in ("pcm", "wav"):
@@ -239,7 +247,7 @@ def wav_header(
     )
 
 
-# --- whole files ---------------------------------------------------------------------------------------
+# --- codec rates -------------------------------------------------------------------------------------------
 
 
 def codec_rate(fmt: str, requested: int) -> int:
@@ -249,44 +257,6 @@ def codec_rate(fmt: str, requested: int) -> int:
     if rates is None or requested in rates:
         return requested
     return next((r for r in rates if r >= requested), rates[-1])
-
-
-def _soundfile_bytes(x: FloatAudio, sample_rate: int, container: str, subtype: str) -> bytes:
-    buffer = io.BytesIO()
-    sf.write(buffer, np.clip(x, -1.0, 1.0), sample_rate, format=container, subtype=subtype)
-    return buffer.getvalue()
-
-
-def encode_file(x: FloatAudio, sample_rate: int, fmt: AudioFormat) -> bytes:
-    """Encode a whole mono signal into one complete, decodable file in memory.
-
-    - ``wav``: 16-bit PCM with an exact-size 44-byte header.
-    - ``pcm``, ``mulaw``, ``alaw``: headerless samples, as :func:`encode_raw`.
-    - ``flac``: 16-bit FLAC (lossless at pcm16 precision).
-    - ``mp3``: MPEG-1/2 layer III through libsndfile (LAME). MP3 has a fixed set of rates (8, 11.025, 12,
-      16, 22.05, 24, 32, 44.1, 48 kHz); another rate is resampled to the nearest supported rate at or above
-      it (48 kHz above that).
-    - ``opus``: Ogg/Opus through libsndfile. Opus codes only 8, 12, 16, 24 and 48 kHz; another rate is
-      resampled to the nearest supported rate at or above it (48 kHz above that), so e.g. 22.05 kHz audio
-      comes back as a 24 kHz file of the same duration.
-
-    Lossy codecs add encoder delay/padding: decoded mp3/opus lengths match within a frame or two.
-    """
-    x = np.asarray(x, dtype=np.float32)
-    if fmt == "wav":
-        pcm = float_to_pcm16(x)
-        return wav_header(sample_rate, data_bytes=len(pcm)) + pcm
-    if fmt in ("pcm", "mulaw", "alaw"):
-        return encode_raw(x, fmt)
-    if fmt == "flac":
-        return _soundfile_bytes(x, sample_rate, "FLAC", "PCM_16")
-    if fmt == "mp3":
-        rate = codec_rate(fmt, sample_rate)
-        return _soundfile_bytes(resample(x, sample_rate, rate), rate, "MP3", "MPEG_LAYER_III")
-    if fmt == "opus":
-        rate = codec_rate(fmt, sample_rate)
-        return _soundfile_bytes(resample(x, sample_rate, rate), rate, "OGG", "OPUS")
-    raise ValueError(f"unknown audio format {fmt!r}; known: {sorted(CONTENT_TYPES)}")
 
 
 # --- resampling ------------------------------------------------------------------------------------------

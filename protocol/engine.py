@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, ClassVar, Final
 
 import msgspec
 import numpy as np
@@ -191,3 +191,28 @@ class EngineInfo:
     capabilities: EngineCapabilities
     max_concurrency: int
     """How many requests the engine computes at once; the scheduler never runs more than this."""
+
+
+class EngineError(Exception):
+    """A unit the engine could not synthesize. `code` is the stable error code clients get for it (the
+    WebSocket `error` event's `code`, REST's `error.code`); the message is for humans. Engines raise
+    subclasses; any other exception out of an engine is a bug of the engine and reported as
+    `generation_failed` too (`failure_of`)."""
+
+    code: ClassVar[str] = "generation_failed"
+
+
+class EngineWorkerLost(EngineError):
+    """The process computing the unit exited; the unit is lost, the server is not."""
+
+
+class UnitTimeout(EngineError):
+    """A unit's engine work ran past the server's per-unit limit (`unit_timeout_s`); it was cancelled."""
+
+    code = "unit_timeout"
+
+
+def failure_of(exc: BaseException) -> tuple[str, str]:
+    """(code, reason) of a unit's failure: the one mapping from engine exceptions to error codes."""
+    code = exc.code if isinstance(exc, EngineError) else EngineError.code
+    return code, str(exc) or type(exc).__name__

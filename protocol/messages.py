@@ -27,14 +27,18 @@ SAMPLE_RATE_MAX: Final = 48000
 
 
 class ProtocolError(Exception):
-    """A client mistake. `code` is stable and documented; `message` is for humans; `fatal` closes."""
+    """A client mistake. `code` is stable and documented; `message` is for humans; `fatal` closes.
+    `reason`, when set, is a finer stable code for REST's twin of the error (`model_not_found`,
+    `voice_not_found`); the WebSocket sends `code` only."""
 
-    def __init__(self, code: str, message: str, *, fatal: bool = False, param: str | None = None) -> None:
+    def __init__(self, code: str, message: str, *, fatal: bool = False, param: str | None = None,
+                 reason: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.fatal = fatal
         self.param = param
+        self.reason = reason
 
 
 # ---------------------------------------------------------------------------------------------------

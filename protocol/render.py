@@ -15,14 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from voicewire.protocol.audio import (
-    AudioFormat,
-    StreamResampler,
-    encode_file,
-    encode_raw,
-    time_stretch,
-    wav_header,
-)
+from voicewire.protocol.audio import AudioFormat, StreamResampler, float_to_pcm16, time_stretch
+from voicewire.protocol.encoders import make_encoder
 from voicewire.protocol.engine import (
     AudioPiece,
     EngineInfo,
@@ -70,16 +64,18 @@ class RenderedPiece:
 
 
 class UnitRenderer:
-    """Renders one unit. Call `feed` per engine piece, then `finish` once; not reusable."""
+    """Renders one unit. Call `feed` per engine piece, then `finish` once (or `close` to abandon the
+    unit); not reusable. The bytes come from the unit's encoder (`protocol.encoders`, the family REST
+    uses too): streamed as they are ready, or held and sent whole by `finish` for a non-streaming plan."""
 
     def __init__(self, plan: RenderPlan) -> None:
         self.plan = plan
         self._resampler = StreamResampler(plan.native_rate, plan.output_rate)
-        self._whole: list[FloatAudio] = []
-        self._native_samples = 0
+        self._encoder = make_encoder(plan.response_format, plan.output_rate, streaming=plan.stream)
+        self._held: list[bytes] = []
+        self._held_samples = 0
         self.output_samples = 0
         self.output_bytes = 0
-        self._header_sent = False
 
     @property
     def audio_ms(self) -> float:
@@ -89,7 +85,6 @@ class UnitRenderer:
         if piece.sample_rate != self.plan.native_rate:
             raise ValueError(f"engine piece at {piece.sample_rate} Hz, expected {self.plan.native_rate} Hz")
         words = self._words(piece.words)
-        self._native_samples += len(piece.samples)
         audio = piece.samples
         if self.plan.stretch != 1.0:
             audio = time_stretch(audio, self.plan.native_rate, self.plan.stretch)
@@ -99,25 +94,28 @@ class UnitRenderer:
     def finish(self) -> RenderedPiece:
         """The rest of the unit (for a non-streaming unit: the whole file and all its samples)."""
         tail = self._emit(self._resampler.process(np.zeros(0, np.float32), last=True), [])
+        end = self._encoder.finish()
+        self._encoder.close()
         if self.plan.stream:
-            return tail
-        audio = np.concatenate(self._whole) if self._whole else np.zeros(0, np.float32)
-        self._whole.clear()
-        data = encode_file(audio, self.plan.output_rate, self.plan.response_format)
+            self.output_bytes += len(end)
+            return RenderedPiece(tail.data + end, tail.samples)
+        data = b"".join(self._held) + end
+        self._held.clear()
         self.output_bytes = len(data)
-        return RenderedPiece(data, len(audio))
+        return RenderedPiece(data, self._held_samples)
+
+    def close(self) -> None:
+        """Drop the unit without finishing its file (it was cancelled or failed); idempotent."""
+        self._held.clear()
+        self._encoder.close()
 
     def _emit(self, audio: FloatAudio, words: list[tuple[int, int, float, float]]) -> RenderedPiece:
         self.output_samples += len(audio)
+        data = self._encoder.encode(float_to_pcm16(audio))
         if not self.plan.stream:
-            if len(audio):
-                self._whole.append(audio)
+            self._held.append(data)
+            self._held_samples += len(audio)
             return RenderedPiece(b"", 0, words)
-        fmt = self.plan.response_format
-        data = encode_raw(audio, "pcm" if fmt == "wav" else fmt)  # type: ignore[arg-type]
-        if fmt == "wav" and not self._header_sent:
-            data = wav_header(self.plan.output_rate) + data
-            self._header_sent = True
         self.output_bytes += len(data)
         return RenderedPiece(data, len(audio), words)
 

@@ -328,7 +328,8 @@ def resolve_config(msg: SessionConfig, facts: ServerFacts) -> EffectiveConfig:
     engine = facts.engine
     model = msg.model if msg.model is not None else engine.name
     if model not in facts.model_names:
-        raise _bad("model", f"unknown model {model!r}; this server serves {', '.join(sorted(facts.model_names))}")
+        raise _bad("model", f"unknown model {model!r}; this server serves {', '.join(sorted(facts.model_names))}",
+                   reason="model_not_found")
     requested = msg.voice if msg.voice is not None else msg.speaker
     voice = resolve_voice(requested, facts)
     language = msg.language
@@ -372,11 +373,12 @@ def resolve_voice(requested: str | None, facts: ServerFacts) -> str:
                        f"clone voices (engines that can: {can}); use one of its voices: {', '.join(engine.voices)}")
         return requested
     valid = sorted({*engine.voices, *facts.voice_aliases})
-    raise _bad("voice", f"unknown voice {requested!r}; valid voices: {', '.join(valid)}")
+    raise _bad("voice", f"unknown voice {requested!r}; valid voices: {', '.join(valid)}", reason="voice_not_found")
 
 
-def _bad(param: str, detail: str) -> ProtocolError:
-    return ProtocolError("invalid_config", f"Invalid session config: {param}: {detail}", param=param)
+def _bad(param: str, detail: str, *, reason: str | None = None) -> ProtocolError:
+    return ProtocolError("invalid_config", f"Invalid session config: {param}: {detail}", param=param,
+                         reason=reason)
 
 
 def _unsupported(param: str, why: str, engine: str) -> ProtocolError:

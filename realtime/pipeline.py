@@ -14,14 +14,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from voicewire.protocol.engine import SpeechParams, SynthesisRequest
+from voicewire.protocol.engine import SpeechParams, SynthesisRequest, UnitTimeout
 from voicewire.protocol.messages import EffectiveConfig
 from voicewire.protocol.render import RenderedPiece, UnitRenderer, render_plan, synthesis_request
 from voicewire.realtime.context import ServerContext
-
-
-class UnitTimeout(Exception):
-    """A unit's engine work ran past `Settings.unit_timeout_s`; it was cancelled."""
 
 
 async def synthesize_unit(ctx: ServerContext, request: SynthesisRequest, renderer: UnitRenderer, deadline: float,
@@ -33,7 +29,6 @@ async def synthesize_unit(ctx: ServerContext, request: SynthesisRequest, rendere
     does a unit running past `unit_timeout_s` of engine time, which raises `UnitTimeout`. Engine
     exceptions propagate after the iterator is closed and the slot released.
     """
-    assert ctx.scheduler is not None
     limit = ctx.settings.unit_timeout_s
     async with ctx.scheduler.slot(deadline):
         started = time.monotonic()
@@ -90,6 +85,7 @@ class UnitRun:
             except Exception as exc:
                 run.error = exc
             finally:
+                renderer.close()
                 run.done = True
                 wake()
 

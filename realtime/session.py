@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import WSMsgType, web
+from voicewire.protocol.engine import UnitTimeout, failure_of
 from voicewire.protocol.messages import (
     AudioCancelled,
     AudioChunk,
@@ -56,7 +57,7 @@ from voicewire.protocol.session import (
     message_type,
 )
 from voicewire.realtime.context import ServerContext
-from voicewire.realtime.pipeline import UnitRun, UnitTimeout
+from voicewire.realtime.pipeline import UnitRun
 
 log = logging.getLogger("voicewire.session")
 
@@ -104,7 +105,6 @@ class SessionRuntime:
     """Serves one accepted WebSocket until it closes. Create, then `await run()`."""
 
     def __init__(self, ws: web.WebSocketResponse, ctx: ServerContext) -> None:
-        assert ctx.facts is not None and ctx.scheduler is not None
         self.ws = ws
         self.ctx = ctx
         self.settings = ctx.settings
@@ -503,12 +503,7 @@ class SessionRuntime:
 
 def _failure(run: UnitRun) -> tuple[str, str] | None:
     """(error code, reason) of a failed unit; None when it succeeded."""
-    exc = run.error
-    if exc is None:
-        return None
-    if isinstance(exc, UnitTimeout):
-        return "unit_timeout", str(exc)
-    return "generation_failed", str(exc) or type(exc).__name__
+    return None if run.error is None else failure_of(run.error)
 
 
 def _log_failure(run: UnitRun) -> None:

@@ -17,9 +17,9 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import replace
 from pathlib import Path
 
+from msgspec.structs import replace
 from voicewire.adapters.base import Engine
 from voicewire.adapters.hibari import HibariEngine
 from voicewire.protocol.engine import AudioPiece, EngineInfo, SynthesisRequest

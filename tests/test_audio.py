@@ -19,7 +19,7 @@ from voicewire.protocol.audio import (
     StreamResampler,
     alaw_to_float,
     bytes_per_sample,
-    encode_file,
+    codec_rate,
     encode_raw,
     float_to_alaw,
     float_to_mulaw,
@@ -29,6 +29,7 @@ from voicewire.protocol.audio import (
     time_stretch,
     wav_header,
 )
+from voicewire.protocol.encoders import make_encoder
 
 SR = 24000
 
@@ -238,6 +239,13 @@ def test_streaming_wav_header_is_readable_to_end(fmt: RawFormat) -> None:
 
 
 # --- whole files ---------------------------------------------------------------------------------------
+
+
+def encode_file(x: NDArray[np.float32], rate: int, fmt: AudioFormat) -> bytes:
+    """A whole signal as one file through the encoder family, at the rate the codec takes (`codec_rate`)."""
+    out_rate = codec_rate(fmt, rate)
+    encoder = make_encoder(fmt, out_rate, streaming=False)
+    return encoder.encode(float_to_pcm16(resample(x, rate, out_rate))) + encoder.finish()
 
 
 @pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "opus"])

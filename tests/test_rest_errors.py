@@ -134,7 +134,7 @@ def test_a_full_server_answers_503(full_server: ServerThread) -> None:
 
 def test_a_server_that_is_not_ready_answers_503(full_server: ServerThread) -> None:
     async def begin_shutdown() -> None:
-        full_server.ctx.shutting_down = True
+        full_server.state.shutting_down = True
 
     full_server.call(begin_shutdown)
     for method, path in (("POST", SPEECH), ("GET", "/v1/models"), ("GET", "/v1/audio/voices")):

@@ -47,7 +47,7 @@ def talker_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerTh
 
 async def _wait_ready(server: ServerThread) -> None:
     async with asyncio.timeout(START_TIMEOUT_S):
-        while not server.ctx.ready:
+        while server.state.context is None:
             await asyncio.sleep(0.1)
 
 
