@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 import onnx
 import onnxruntime as ort
-from voicewire.adapters.base import (
+from voicewire.protocol.engine import (
     AudioPiece,
     EngineCapabilities,
     EngineInfo,
@@ -206,8 +206,8 @@ class HibariEngine:
                 word_timings=True,
                 voice_cloning=False,
                 speed_range=SPEED_RANGE,
-                seed=True,
                 streaming="unit",
+                fields=frozenset({"seed"}),
             ),
             max_concurrency=workers,
         )

@@ -12,7 +12,7 @@ import re
 from collections.abc import AsyncGenerator
 
 import numpy as np
-from voicewire.adapters.base import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest, WordSpan
+from voicewire.protocol.engine import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest, WordSpan
 
 SAMPLE_RATE = 24000
 SECONDS_PER_CHAR = 0.06
@@ -26,7 +26,7 @@ class NullEngine:
         self._info = EngineInfo(
             name="null", sample_rate=SAMPLE_RATE, voices=("null",), default_voice="null", languages=("en",),
             capabilities=EngineCapabilities(word_timings=True, voice_cloning=False, speed_range=(0.25, 4.0),
-                                            seed=True),
+                                            fields=frozenset({"seed"})),
             max_concurrency=max_concurrency)
         t = np.arange(SAMPLE_RATE, dtype=np.float32) / SAMPLE_RATE
         self._tone = (0.05 * np.sin(2 * np.pi * 220.0 * t)).astype(np.float32)

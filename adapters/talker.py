@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import numpy as np
-from voicewire.adapters.base import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest
 from voicewire.adapters.talker_codec import (
     ChunkPolicy,
     ChunkStreamer,
@@ -60,6 +59,7 @@ from voicewire.adapters.talker_layout import (
     FrameParser,
     build_prompt,
 )
+from voicewire.protocol.engine import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest
 
 log = logging.getLogger("voicewire.talker")
 
@@ -194,8 +194,8 @@ class TalkerEngine:
             default_voice=voices[0].name,
             languages=("en",),
             capabilities=EngineCapabilities(
-                word_timings=False, voice_cloning=False, speed_range=(1.0, 1.0), seed=True,
-                streaming="frame", codec_frames=True,
+                word_timings=False, voice_cloning=False, speed_range=(1.0, 1.0), streaming="frame",
+                fields=frozenset({"seed", "max_new_tokens", "initial_codec_chunk_frames"}),
             ),
             max_concurrency=config.max_concurrency,
         )
@@ -314,7 +314,7 @@ class TalkerEngine:
         if request.speed != 1.0:
             raise ValueError(f"talker: speed {request.speed} is outside the native range 1.0..1.0")
         prompt = self._prompt(request)
-        initial = _option_int(request, "initial_codec_chunk_frames") or self.config.chunks.initial_frames
+        initial = request.initial_codec_chunk_frames or self.config.chunks.initial_frames
         streamer = ChunkStreamer(self.config.chunks, initial, self._codec.graph_lengths)
         parser = FrameParser(any_token_is_code=self.config.random_weights)
         count = self._count
@@ -386,7 +386,7 @@ class TalkerEngine:
 
         c = self.config
         common: dict[str, Any] = {"output_kind": RequestOutputKind.DELTA, "detokenize": False, "seed": request.seed}
-        max_new_tokens = _option_int(request, "max_new_tokens")
+        max_new_tokens = request.max_new_tokens
         if c.random_weights:
             tokens = self.unit_frames(request.text, max_new_tokens) * CODES_PER_FRAME
             return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=1.0, **common)
@@ -438,7 +438,7 @@ class TalkerEngine:
         log.info("talker: codec on %s in %s, %d CUDA graphs", self._codec.device, self._codec.dtype,
                  self._codec.graph_shapes)
         request = SynthesisRequest(request_id="talker-warmup", text=WARMUP_TEXT, voice=self._info.default_voice,
-                                   seed=0, options={"max_new_tokens": 4 * CODES_PER_FRAME})
+                                   seed=0, max_new_tokens=4 * CODES_PER_FRAME)
         async for _ in self._synthesize(request):
             pass
 
@@ -468,11 +468,6 @@ class _Steps:
     running: int = 0
     kv_cache_usage: float = 0.0
     generated_tokens: int = 0
-
-
-def _option_int(request: SynthesisRequest, name: str) -> int | None:
-    value = request.options.get(name)
-    return None if value is None else int(cast(int, value))
 
 
 def _warm_codes(frames: int) -> Any:

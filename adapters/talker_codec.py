@@ -62,8 +62,8 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
-from voicewire.adapters.base import FloatAudio
 from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLE_RATE, SAMPLES_PER_FRAME, CodeFrames
+from voicewire.protocol.engine import FloatAudio
 
 T = TypeVar("T")
 log = logging.getLogger("voicewire.talker")

@@ -54,7 +54,8 @@ from multiprocessing.process import BaseProcess
 from typing import Literal
 
 import msgspec
-from voicewire.adapters.base import AudioPiece, Engine, EngineInfo, SynthesisRequest
+from voicewire.adapters.base import Engine
+from voicewire.protocol.engine import AudioPiece, EngineError, EngineInfo, EngineWorkerLost, SynthesisRequest
 
 log = logging.getLogger("voicewire.workers")
 
@@ -67,12 +68,12 @@ QUIET_CPU_S = 0.001
 each of `QUIET_WINDOWS` windows of `QUIET_WINDOW_S` in a row (a thread blocked on a queue uses none)."""
 
 
-class EngineWorkerDied(RuntimeError):
+class EngineWorkerDied(EngineWorkerLost):
     """The worker process computing this request exited or was replaced; the request is lost, the server is
     not."""
 
 
-class EngineWorkerError(RuntimeError):
+class EngineWorkerError(EngineError):
     """The engine in a worker raised; the message is the worker's exception text."""
 
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import websockets
-from voicewire.adapters.base import SynthesisRequest
 from voicewire.adapters.hibari import HibariEngine
+from voicewire.protocol.engine import SynthesisRequest
 from websockets.asyncio.client import ClientConnection
 
 from bench.workload import (

@@ -49,10 +49,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from voicewire.adapters.base import SynthesisRequest
 from voicewire.adapters.talker import TalkerConfig, TalkerEngine
 from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLE_RATE, SAMPLES_PER_FRAME
 from voicewire.adapters.talker_testing import LLAMA_3_2_3B, SNAC_24KHZ, TINY_LLAMA, TINY_SNAC, write_snac, write_talker
+from voicewire.protocol.engine import SynthesisRequest
 from voicewire.realtime.settings import Settings
 
 from bench.workload import percentile, table
@@ -360,7 +360,7 @@ def _cuda() -> bool:
 
 
 async def _until_ready(server: ServerThread) -> None:
-    while not server.ctx.ready:
+    while server.state.context is None:
         await asyncio.sleep(0.2)
 
 

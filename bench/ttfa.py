@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import websockets
-from voicewire.adapters.base import Engine, SynthesisRequest
+from voicewire.adapters.base import Engine
+from voicewire.protocol.engine import SynthesisRequest
 from voicewire.protocol.segmenter import SplitGranularity
 from voicewire.realtime.settings import Settings
 from websockets.asyncio.client import ClientConnection

@@ -1,4 +1,4 @@
-"""Audio format math: sample encodings, WAV headers, whole-file encoding, resampling, tempo and gain.
+"""Audio format math: sample encodings, WAV headers, resampling and tempo (files: `protocol.encoders`).
 
 Pure functions and one small stateful class, no I/O and no asyncio: the session runtime calls these on
 every audio chunk, so everything is vectorised numpy.
@@ -17,14 +17,13 @@ Conventions shared by every function here:
 
 from __future__ import annotations
 
-import io
 import struct
 from typing import Final, Literal
 
 import numpy as np
-import soundfile as sf
 import soxr
 from numpy.typing import NDArray
+from voicewire.protocol.engine import FloatAudio
 
 __all__ = [
     "CONTENT_TYPES",
@@ -33,9 +32,8 @@ __all__ = [
     "RawFormat",
     "StreamResampler",
     "alaw_to_float",
-    "apply_gain",
     "bytes_per_sample",
-    "encode_file",
+    "encode_pcm16",
     "encode_raw",
     "float_to_alaw",
     "float_to_mulaw",
@@ -45,8 +43,6 @@ __all__ = [
     "time_stretch",
     "wav_header",
 ]
-
-FloatArray = NDArray[np.float32]
 
 AudioFormat = Literal["pcm", "wav", "mulaw", "alaw", "flac", "mp3", "opus"]
 RawFormat = Literal["pcm", "mulaw", "alaw"]
@@ -80,7 +76,7 @@ CODEC_RATES: Final[dict[str, tuple[int, ...]]] = {
 # --- sample encodings --------------------------------------------------------------------------------
 
 
-def _to_int16(x: FloatArray) -> NDArray[np.int16]:
+def _to_int16(x: FloatAudio) -> NDArray[np.int16]:
     """round(clip(x, -1, 1) * 32767) as int16: one temporary, then in-place passes (hot path)."""
     scaled = np.clip(np.asarray(x, dtype=np.float32), -1.0, 1.0)
     scaled *= np.float32(_PCM16_SCALE)
@@ -116,14 +112,14 @@ def _build_alaw_table() -> NDArray[np.uint8]:
     return table
 
 
-def _build_mulaw_decode_table() -> FloatArray:
+def _build_mulaw_decode_table() -> FloatAudio:
     u = ~np.arange(256, dtype=np.int64) & 0xFF
     t = (((u & 0x0F) << 3) + 0x84) << ((u & 0x70) >> 4)
     linear = np.where(u & 0x80, 0x84 - t, t - 0x84)
     return (linear * _DECODE_SCALE).astype(np.float32)
 
 
-def _build_alaw_decode_table() -> FloatArray:
+def _build_alaw_decode_table() -> FloatAudio:
     a = np.arange(256, dtype=np.int64) ^ 0x55
     seg = (a & 0x70) >> 4
     t = (a & 0x0F) << 4
@@ -138,32 +134,32 @@ _MULAW_DECODE: Final = _build_mulaw_decode_table()
 _ALAW_DECODE: Final = _build_alaw_decode_table()
 
 
-def float_to_pcm16(x: FloatArray) -> bytes:
+def float_to_pcm16(x: FloatAudio) -> bytes:
     """Little-endian signed 16-bit PCM, 2 bytes per sample: ``round(clip(x, -1, 1) * 32767)``."""
     return _to_int16(x).astype("<i2", copy=False).tobytes()
 
 
-def float_to_mulaw(x: FloatArray) -> bytes:
+def float_to_mulaw(x: FloatAudio) -> bytes:
     """G.711 mu-law, 1 byte per sample, bit-exact with the reference encoder applied to ``float_to_pcm16``."""
     return _MULAW_ENCODE[_to_int16(x).view(np.uint16)].tobytes()
 
 
-def float_to_alaw(x: FloatArray) -> bytes:
+def float_to_alaw(x: FloatAudio) -> bytes:
     """G.711 A-law, 1 byte per sample, bit-exact with the reference encoder applied to ``float_to_pcm16``."""
     return _ALAW_ENCODE[_to_int16(x).view(np.uint16)].tobytes()
 
 
-def mulaw_to_float(b: bytes) -> FloatArray:
+def mulaw_to_float(b: bytes) -> FloatAudio:
     """Decode G.711 mu-law bytes to float32 (reference decoder output / 32768), one sample per byte."""
     return _MULAW_DECODE[np.frombuffer(b, dtype=np.uint8)]
 
 
-def alaw_to_float(b: bytes) -> FloatArray:
+def alaw_to_float(b: bytes) -> FloatAudio:
     """Decode G.711 A-law bytes to float32 (reference decoder output / 32768), one sample per byte."""
     return _ALAW_DECODE[np.frombuffer(b, dtype=np.uint8)]
 
 
-def encode_raw(x: FloatArray, fmt: RawFormat) -> bytes:
+def encode_raw(x: FloatAudio, fmt: RawFormat) -> bytes:
     """Headerless samples in ``fmt``: one streamed chunk (``wav`` streams ``pcm`` after its header)."""
     if fmt == "pcm":
         return float_to_pcm16(x)
@@ -172,6 +168,16 @@ def encode_raw(x: FloatArray, fmt: RawFormat) -> bytes:
     if fmt == "alaw":
         return float_to_alaw(x)
     raise ValueError(f"not a raw sample format: {fmt!r}")
+
+
+def encode_pcm16(pcm: bytes, fmt: RawFormat) -> bytes:
+    """`float_to_pcm16` output re-encoded as ``fmt``: the same bytes `encode_raw` gives for the float samples."""
+    if fmt == "pcm":
+        return pcm
+    table = {"mulaw": _MULAW_ENCODE, "alaw": _ALAW_ENCODE}.get(fmt)
+    if table is None:
+        raise ValueError(f"not a raw sample format: {fmt!r}")
+    return table[np.frombuffer(pcm, "<i2").view(np.uint16)].tobytes()
 
 
 def bytes_per_sample(fmt: str) -> int:
@@ -241,7 +247,7 @@ def wav_header(
     )
 
 
-# --- whole files ---------------------------------------------------------------------------------------
+# --- codec rates -------------------------------------------------------------------------------------------
 
 
 def codec_rate(fmt: str, requested: int) -> int:
@@ -251,44 +257,6 @@ def codec_rate(fmt: str, requested: int) -> int:
     if rates is None or requested in rates:
         return requested
     return next((r for r in rates if r >= requested), rates[-1])
-
-
-def _soundfile_bytes(x: FloatArray, sample_rate: int, container: str, subtype: str) -> bytes:
-    buffer = io.BytesIO()
-    sf.write(buffer, np.clip(x, -1.0, 1.0), sample_rate, format=container, subtype=subtype)
-    return buffer.getvalue()
-
-
-def encode_file(x: FloatArray, sample_rate: int, fmt: AudioFormat) -> bytes:
-    """Encode a whole mono signal into one complete, decodable file in memory.
-
-    - ``wav``: 16-bit PCM with an exact-size 44-byte header.
-    - ``pcm``, ``mulaw``, ``alaw``: headerless samples, as :func:`encode_raw`.
-    - ``flac``: 16-bit FLAC (lossless at pcm16 precision).
-    - ``mp3``: MPEG-1/2 layer III through libsndfile (LAME). MP3 has a fixed set of rates (8, 11.025, 12,
-      16, 22.05, 24, 32, 44.1, 48 kHz); another rate is resampled to the nearest supported rate at or above
-      it (48 kHz above that).
-    - ``opus``: Ogg/Opus through libsndfile. Opus codes only 8, 12, 16, 24 and 48 kHz; another rate is
-      resampled to the nearest supported rate at or above it (48 kHz above that), so e.g. 22.05 kHz audio
-      comes back as a 24 kHz file of the same duration.
-
-    Lossy codecs add encoder delay/padding: decoded mp3/opus lengths match within a frame or two.
-    """
-    x = np.asarray(x, dtype=np.float32)
-    if fmt == "wav":
-        pcm = float_to_pcm16(x)
-        return wav_header(sample_rate, data_bytes=len(pcm)) + pcm
-    if fmt in ("pcm", "mulaw", "alaw"):
-        return encode_raw(x, fmt)
-    if fmt == "flac":
-        return _soundfile_bytes(x, sample_rate, "FLAC", "PCM_16")
-    if fmt == "mp3":
-        rate = codec_rate(fmt, sample_rate)
-        return _soundfile_bytes(resample(x, sample_rate, rate), rate, "MP3", "MPEG_LAYER_III")
-    if fmt == "opus":
-        rate = codec_rate(fmt, sample_rate)
-        return _soundfile_bytes(resample(x, sample_rate, rate), rate, "OGG", "OPUS")
-    raise ValueError(f"unknown audio format {fmt!r}; known: {sorted(CONTENT_TYPES)}")
 
 
 # --- resampling ------------------------------------------------------------------------------------------
@@ -302,7 +270,7 @@ def _resampled_length(n_in: int, in_rate: int, out_rate: int) -> int:
     return q
 
 
-def _fit_length(y: FloatArray, length: int) -> FloatArray:
+def _fit_length(y: FloatAudio, length: int) -> FloatAudio:
     if len(y) >= length:
         return y[:length]
     return np.concatenate([y, np.zeros(length - len(y), dtype=np.float32)])
@@ -332,12 +300,12 @@ class StreamResampler:
         self._total_in = 0
         self._total_out = 0
 
-    def process(self, x: FloatArray, last: bool = False) -> FloatArray:
+    def process(self, x: FloatAudio, last: bool = False) -> FloatAudio:
         """Resample the next chunk; returns what is ready (float32, 1-D). Equal rates return ``x`` itself."""
         x = np.asarray(x, dtype=np.float32)
         if self._stream is None:
             return x
-        y: FloatArray = self._stream.resample_chunk(x, last=last)
+        y: FloatAudio = self._stream.resample_chunk(x, last=last)
         self._total_in += len(x)
         if not last:
             self._total_out += len(y)
@@ -348,7 +316,7 @@ class StreamResampler:
         return _fit_length(y, max(remaining, 0))
 
 
-def resample(x: FloatArray, in_rate: int, out_rate: int) -> FloatArray:
+def resample(x: FloatAudio, in_rate: int, out_rate: int) -> FloatAudio:
     """One-shot resampling of a whole signal to exactly ``round(len(x) * out_rate / in_rate)`` samples."""
     x = np.asarray(x, dtype=np.float32)
     if in_rate == out_rate:
@@ -362,7 +330,7 @@ def resample(x: FloatArray, in_rate: int, out_rate: int) -> FloatArray:
 _WSOLA_FRAME_S: Final = 0.025
 
 
-def time_stretch(x: FloatArray, sample_rate: int, factor: float) -> FloatArray:
+def time_stretch(x: FloatAudio, sample_rate: int, factor: float) -> FloatAudio:
     """Change tempo without changing pitch, by WSOLA (waveform-similarity overlap-add).
 
     ``factor`` > 1 speeds up (2.0 = half the duration), < 1 slows down. The output has exactly
@@ -412,24 +380,3 @@ def time_stretch(x: FloatArray, sample_rate: int, factor: float) -> FloatArray:
     out[: len(even)] += even
     out[hop : hop + len(odd)] += odd
     return out[hop : hop + n_out]
-
-
-# --- level -------------------------------------------------------------------------------------------
-
-
-def apply_gain(x: FloatArray, gain_db: float, ceiling: float = 0.98) -> FloatArray:
-    """Scale ``x`` by ``gain_db`` decibels, lowering the gain so the peak never exceeds ``ceiling``.
-
-    This is a per-call peak-normalising limiter: the gain is ``min(10 ** (gain_db / 20), ceiling / peak)``
-    for the peak of *this* call's samples, so two chunks of one stream can get different gains. Apply it to
-    whole units (or accept level steps between chunks). Returns a new array, or ``x`` itself when the gain
-    is exactly 1.
-    """
-    x = np.asarray(x, dtype=np.float32)
-    gain = 10.0 ** (gain_db / 20.0)
-    peak = float(np.max(np.abs(x))) if len(x) else 0.0
-    if peak * gain > ceiling:
-        gain = ceiling / peak
-    if gain == 1.0:
-        return x
-    return x * np.float32(gain)

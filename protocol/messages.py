@@ -12,59 +12,53 @@ fields have non-None defaults or are always set).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
+from voicewire.protocol.audio import AudioFormat
+from voicewire.protocol.engine import SpeechParams
+from voicewire.protocol.segmenter import SplitGranularity
 
-ResponseFormat = Literal["pcm", "wav", "mulaw", "alaw", "flac", "mp3", "opus"]
-SplitGranularity = Literal["none", "sentence", "clause"]
 AudioFrames = Literal["binary", "json"]
 
-SPEED_MIN: Final = 0.25
-SPEED_MAX: Final = 4.0
 SAMPLE_RATE_MIN: Final = 8000
 SAMPLE_RATE_MAX: Final = 48000
 
 
 class ProtocolError(Exception):
-    """A client mistake. `code` is stable and documented; `message` is for humans; `fatal` closes."""
+    """A client mistake. `code` is stable and documented; `message` is for humans; `fatal` closes.
+    `reason`, when set, is a finer stable code for REST's twin of the error (`model_not_found`,
+    `voice_not_found`); the WebSocket sends `code` only."""
 
-    def __init__(self, code: str, message: str, *, fatal: bool = False, param: str | None = None) -> None:
+    def __init__(self, code: str, message: str, *, fatal: bool = False, param: str | None = None,
+                 reason: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.fatal = fatal
         self.param = param
+        self.reason = reason
 
 
 # ---------------------------------------------------------------------------------------------------
 # Client -> server
 
 
-class SessionConfig(msgspec.Struct, tag="session.config", tag_field="type", kw_only=True):
-    """Session settings. Every field is optional; `None` means "server default" (see `effective`)."""
+class SessionConfig(SpeechParams, tag="session.config", tag_field="type", kw_only=True, frozen=True):
+    """Session settings: the engine's request fields (`SpeechParams`, shared with REST) and the session's
+    own. Every field is optional; `None` means "server default" (see `protocol.session.resolve_config`)."""
 
     model: str | None = None
     voice: str | None = None
     speaker: str | None = None
-    language: str | None = None
-    instructions: str | None = None
-    speed: Annotated[float, msgspec.Meta(ge=SPEED_MIN, le=SPEED_MAX)] = 1.0
-    response_format: ResponseFormat = "wav"
+    response_format: AudioFormat = "wav"
     sample_rate: Annotated[int, msgspec.Meta(ge=SAMPLE_RATE_MIN, le=SAMPLE_RATE_MAX)] | None = None
     stream_audio: bool = False
     split_granularity: SplitGranularity = "none"
     max_buffer_delay_ms: Annotated[int, msgspec.Meta(ge=0, le=5000)] = 0
     word_timestamps: bool = False
     audio_frames: AudioFrames | None = None
-    task_type: str | None = None
-    ref_audio: str | None = None
-    ref_text: str | None = None
-    x_vector_only_mode: bool | None = None
-    speaker_embedding: list[float] | None = None
-    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
-    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    initial_codec_chunk_frames: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
 
 
 class InputText(msgspec.Struct, tag="input.text", tag_field="type", kw_only=True):
@@ -104,14 +98,27 @@ def decode_client_message(data: str | bytes) -> ClientMessage:
     try:
         return _decoder.decode(data)
     except msgspec.ValidationError as exc:
-        raise _classify(data, str(exc)) from None
+        raise _classify(data, exc) from None
     except msgspec.DecodeError:
         raise ProtocolError("invalid_json", "Invalid JSON message") from None
     except RecursionError:
         raise ProtocolError("invalid_message", "JSON nested too deeply") from None
 
 
-def _classify(data: str | bytes, detail: str) -> ProtocolError:
+_FIELD_AT: Final = re.compile(r" - at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_MISSING_FIELD: Final = re.compile(r"missing required field `([^`]+)`")
+
+
+def invalid_field(exc: msgspec.ValidationError) -> tuple[str | None, str]:
+    """(param, detail) of a msgspec validation error: the top-level request field it is about (the first
+    component of its path, else the missing field; None when it names neither) and msgspec's own text.
+    The one reading of msgspec's messages, for the WebSocket and REST decoders alike."""
+    detail = str(exc)
+    match = _FIELD_AT.search(detail) or _MISSING_FIELD.search(detail)
+    return (match.group(1) if match else None), detail
+
+
+def _classify(data: str | bytes, exc: msgspec.ValidationError) -> ProtocolError:
     try:
         raw: Any = _raw_decoder.decode(data)
     except RecursionError:
@@ -121,10 +128,10 @@ def _classify(data: str | bytes, detail: str) -> ProtocolError:
     kind = raw.get("type")
     if kind not in CLIENT_MESSAGE_TYPES:
         return ProtocolError("unknown_type", f"Unknown message type: {kind}")
+    field, detail = invalid_field(exc)
     if kind == "session.config":
-        field = detail.rpartition("$.")[2].rstrip("`") if "$." in detail else None
         return ProtocolError("invalid_config", f"Invalid session config: {detail}", param=field)
-    if kind == "input.text" and "$.text" in detail:
+    if kind == "input.text" and field == "text":
         return ProtocolError("invalid_text", "input.text requires a string value", param="text")
     return ProtocolError("invalid_message", f"Invalid {kind}: {detail}")
 
@@ -170,7 +177,7 @@ class EffectiveConfig(msgspec.Struct, kw_only=True):
     language: str | None
     instructions: str | None
     speed: float
-    response_format: ResponseFormat
+    response_format: AudioFormat
     sample_rate: int
     stream_audio: bool
     split_granularity: SplitGranularity
@@ -195,7 +202,7 @@ class AudioStart(msgspec.Struct, tag="audio.start", tag_field="type", kw_only=Tr
     utterance_index: int
     sentence_index: int
     sentence_text: str
-    format: ResponseFormat
+    format: AudioFormat
     word_timestamps: bool = False
     sample_rate: int
     channels: int

@@ -1,5 +1,6 @@
 """From engine audio to what a client receives for one unit: speed, rate, format, timeline.
 
+`render_plan` says how a unit under a config is rendered and `synthesis_request` what its engine is asked;
 `UnitRenderer` is fed the engine's `AudioPiece`s of one unit in order and returns the bytes to send in
 the negotiated format, plus the unit's words on the unit's own timeline (milliseconds from the unit's
 first output sample; `place_words` moves them onto the utterance timeline). Pure: no I/O, no clock.
@@ -14,15 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from voicewire.adapters.base import AudioPiece, FloatAudio, WordSpan
-from voicewire.protocol.audio import (
-    StreamResampler,
-    encode_file,
-    encode_raw,
-    time_stretch,
-    wav_header,
+from voicewire.protocol.audio import AudioFormat, StreamResampler, float_to_pcm16, time_stretch
+from voicewire.protocol.encoders import make_encoder
+from voicewire.protocol.engine import (
+    AudioPiece,
+    EngineInfo,
+    FloatAudio,
+    SpeechParams,
+    SynthesisRequest,
+    WordSpan,
+    speech_fields,
 )
-from voicewire.protocol.messages import ResponseFormat, WordTiming
+from voicewire.protocol.messages import EffectiveConfig, WordTiming
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +37,7 @@ class RenderPlan:
     tempo factor applied afterwards (1.0 = none), so the heard speed is `engine_speed * stretch`.
     """
 
-    response_format: ResponseFormat
+    response_format: AudioFormat
     stream: bool
     native_rate: int
     output_rate: int
@@ -60,16 +64,18 @@ class RenderedPiece:
 
 
 class UnitRenderer:
-    """Renders one unit. Call `feed` per engine piece, then `finish` once; not reusable."""
+    """Renders one unit. Call `feed` per engine piece, then `finish` once (or `close` to abandon the
+    unit); not reusable. The bytes come from the unit's encoder (`protocol.encoders`, the family REST
+    uses too): streamed as they are ready, or held and sent whole by `finish` for a non-streaming plan."""
 
     def __init__(self, plan: RenderPlan) -> None:
         self.plan = plan
         self._resampler = StreamResampler(plan.native_rate, plan.output_rate)
-        self._whole: list[FloatAudio] = []
-        self._native_samples = 0
+        self._encoder = make_encoder(plan.response_format, plan.output_rate, streaming=plan.stream)
+        self._held: list[bytes] = []
+        self._held_samples = 0
         self.output_samples = 0
         self.output_bytes = 0
-        self._header_sent = False
 
     @property
     def audio_ms(self) -> float:
@@ -79,7 +85,6 @@ class UnitRenderer:
         if piece.sample_rate != self.plan.native_rate:
             raise ValueError(f"engine piece at {piece.sample_rate} Hz, expected {self.plan.native_rate} Hz")
         words = self._words(piece.words)
-        self._native_samples += len(piece.samples)
         audio = piece.samples
         if self.plan.stretch != 1.0:
             audio = time_stretch(audio, self.plan.native_rate, self.plan.stretch)
@@ -89,31 +94,60 @@ class UnitRenderer:
     def finish(self) -> RenderedPiece:
         """The rest of the unit (for a non-streaming unit: the whole file and all its samples)."""
         tail = self._emit(self._resampler.process(np.zeros(0, np.float32), last=True), [])
+        end = self._encoder.finish()
+        self._encoder.close()
         if self.plan.stream:
-            return tail
-        audio = np.concatenate(self._whole) if self._whole else np.zeros(0, np.float32)
-        self._whole.clear()
-        data = encode_file(audio, self.plan.output_rate, self.plan.response_format)
+            self.output_bytes += len(end)
+            return RenderedPiece(tail.data + end, tail.samples)
+        data = b"".join(self._held) + end
+        self._held.clear()
         self.output_bytes = len(data)
-        return RenderedPiece(data, len(audio))
+        return RenderedPiece(data, self._held_samples)
+
+    def close(self) -> None:
+        """Drop the unit without finishing its file (it was cancelled or failed); idempotent."""
+        self._held.clear()
+        self._encoder.close()
 
     def _emit(self, audio: FloatAudio, words: list[tuple[int, int, float, float]]) -> RenderedPiece:
         self.output_samples += len(audio)
+        data = self._encoder.encode(float_to_pcm16(audio))
         if not self.plan.stream:
-            if len(audio):
-                self._whole.append(audio)
+            self._held.append(data)
+            self._held_samples += len(audio)
             return RenderedPiece(b"", 0, words)
-        fmt = self.plan.response_format
-        data = encode_raw(audio, "pcm" if fmt == "wav" else fmt)  # type: ignore[arg-type]
-        if fmt == "wav" and not self._header_sent:
-            data = wav_header(self.plan.output_rate) + data
-            self._header_sent = True
         self.output_bytes += len(data)
         return RenderedPiece(data, len(audio), words)
 
     def _words(self, spans: tuple[WordSpan, ...]) -> list[tuple[int, int, float, float]]:
         scale = 1000.0 / (self.plan.native_rate * self.plan.stretch)
         return [(w.char_start, w.char_end, w.start_sample * scale, w.end_sample * scale) for w in spans]
+
+
+SECONDS_PER_CHAR_ESTIMATE = 0.065
+"""Rough speech duration of one character (`estimate_seconds`)."""
+
+
+def estimate_seconds(text: str, config: EffectiveConfig) -> float:
+    """Expected audio duration of `text` under `config`, for playback deadlines of units not yet heard."""
+    return len(text) * SECONDS_PER_CHAR_ESTIMATE / config.speed
+
+
+def render_plan(config: EffectiveConfig, info: EngineInfo, *, stream: bool | None = None) -> RenderPlan:
+    """How a unit under `config` is rendered: engine speed, extra time-stretch, rates, format."""
+    engine_speed, stretch = plan_speed(config.speed, info.capabilities.speed_range)
+    return RenderPlan(response_format=config.response_format,
+                      stream=config.stream_audio if stream is None else stream,
+                      native_rate=info.sample_rate, output_rate=config.sample_rate,
+                      engine_speed=engine_speed, stretch=stretch)
+
+
+def synthesis_request(request_id: str, text: str, config: EffectiveConfig, params: SpeechParams,
+                      plan: RenderPlan) -> SynthesisRequest:
+    """The engine request for one unit: `params` as accepted (`resolve_config` refused what the engine
+    cannot honour), the resolved voice of `config` and the engine's share of the speed (`plan`)."""
+    return SynthesisRequest(request_id=request_id, text=text, voice=config.voice,
+                            **{**speech_fields(params), "speed": plan.engine_speed})
 
 
 def place_words(

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from voicewire.protocol.audio import STREAMABLE_FORMATS, codec_rate
+from voicewire.protocol.engine import EngineInfo, SpeechParams, speech_params, unhonoured
 from voicewire.protocol.messages import (
     ClientMessage,
     EffectiveConfig,
@@ -48,20 +49,27 @@ class State(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class ServerFacts:
-    """What the state machine needs to know about the server to resolve and validate a config."""
+    """What the state machine needs to know about the server to resolve and validate a config: the started
+    engine's `info` (its capabilities decide which request fields are honoured), and what is published
+    of it in `session.updated` (`engine`, derived from `info`)."""
 
-    engine: EngineDescription
+    info: EngineInfo
     limits: Limits
     model_names: frozenset[str]
     voice_aliases: dict[str, str]
     languages: frozenset[str]
-    supports_instructions: bool
-    supports_seed: bool
-    supports_codec_chunking: bool
     voice_exists: Callable[[str], bool] = field(default=lambda _name: False)
     """Voices beyond the engine's own (uploaded ones); they need a cloning engine."""
     cloning_engines: tuple[str, ...] = ()
     """Engines of this build that can speak uploaded voices (named in the refusal)."""
+    engine: EngineDescription = field(init=False)
+
+    def __post_init__(self) -> None:
+        info, caps = self.info, self.info.capabilities
+        object.__setattr__(self, "engine", EngineDescription(
+            name=info.name, sample_rate=info.sample_rate, voices=list(info.voices),
+            default_voice=info.default_voice, languages=list(info.languages), word_timestamps=caps.word_timings,
+            voice_cloning=caps.voice_cloning, native_speed=list(caps.speed_range)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +87,8 @@ class Unit:
     char_start: int
     char_end: int
     config: EffectiveConfig
+    params: SpeechParams
+    """The engine's request fields as the config gave them (checked against the engine's capabilities)."""
     context_id: str | None
     committed_ms: float
 
@@ -152,6 +162,7 @@ class SessionMachine:
         self.session_id = session_id
         self.state = State.AWAITING_CONFIG
         self.config: EffectiveConfig | None = None
+        self.params = SpeechParams()
         self._segmenter: Segmenter | None = None
         self._open: _Utterance | None = None
         self._draining: dict[int, _Utterance] = {}
@@ -226,6 +237,7 @@ class SessionMachine:
 
     def _configure(self, msg: SessionConfig) -> list[Action]:
         self.config = resolve_config(msg, self.facts)
+        self.params = speech_params(msg)
         self._segmenter = Segmenter(
             self.config.split_granularity,
             max_buffer_delay_ms=self.config.max_buffer_delay_ms,
@@ -300,7 +312,7 @@ class SessionMachine:
             start = seg.start + seg.text.index(text[0])
             actions.append(Synthesize(Unit(
                 utterance_index=utt.index, sentence_index=utt.units, text=text,
-                char_start=start, char_end=start + len(text), config=self.config,
+                char_start=start, char_end=start + len(text), config=self.config, params=self.params,
                 context_id=utt.context_id, committed_ms=now_ms)))
             utt.units += 1
         return actions
@@ -309,36 +321,30 @@ class SessionMachine:
 def resolve_config(msg: SessionConfig, facts: ServerFacts) -> EffectiveConfig:
     """Apply defaults and check every field against what the engine can honour.
 
-    Raises `ProtocolError("invalid_config", ...)` naming the field; never ignores a field silently.
+    Raises `ProtocolError("invalid_config", ...)` naming the field; never ignores a field silently: the
+    engine's request fields are checked against its capabilities by `engine.unhonoured`, the one place
+    that decides for the WebSocket and REST alike. The accepted engine fields are `speech_params(msg)`.
     """
     engine = facts.engine
     model = msg.model if msg.model is not None else engine.name
     if model not in facts.model_names:
-        raise _bad("model", f"unknown model {model!r}; this server serves {', '.join(sorted(facts.model_names))}")
+        raise _bad("model", f"unknown model {model!r}; this server serves {', '.join(sorted(facts.model_names))}",
+                   reason="model_not_found")
     requested = msg.voice if msg.voice is not None else msg.speaker
     voice = resolve_voice(requested, facts)
     language = msg.language
     if language is not None and language.lower() not in facts.languages:
         raise _bad("language", f"language {language!r} is not supported by engine {engine.name}; "
                    f"supported: {', '.join(sorted(facts.languages))}")
-    if msg.instructions and not facts.supports_instructions:
-        raise _unsupported("instructions", engine.name)
-    for name in ("ref_audio", "ref_text", "speaker_embedding", "x_vector_only_mode"):
-        if getattr(msg, name) is not None and not engine.voice_cloning:
-            raise _unsupported(name, engine.name, "it cannot clone voices")
-    if msg.task_type not in (None, "CustomVoice") and not engine.voice_cloning:
-        raise _unsupported("task_type", engine.name, "it only has predefined voices (CustomVoice)")
-    if msg.seed is not None and not facts.supports_seed:
-        raise _unsupported("seed", engine.name)
-    for name in ("max_new_tokens", "initial_codec_chunk_frames"):
-        if getattr(msg, name) is not None and not facts.supports_codec_chunking:
-            raise _unsupported(name, engine.name, "it is not a codec-token engine")
+    refused = unhonoured(msg, facts.info.capabilities)
+    if refused is not None:
+        raise _unsupported(*refused, engine.name)
     if msg.stream_audio and msg.response_format not in STREAMABLE_FORMATS:
         raise _bad("response_format", f"stream_audio=true needs one of {', '.join(sorted(STREAMABLE_FORMATS))}; "
                    f"{msg.response_format!r} can only be sent as one whole file per sentence")
     audio_frames = msg.audio_frames or ("json" if msg.word_timestamps else "binary")
     if msg.word_timestamps and not engine.word_timestamps:
-        raise _unsupported("word_timestamps", engine.name)
+        raise _unsupported("word_timestamps", "it has no word timings", engine.name)
     return EffectiveConfig(
         model=model, voice=voice, language=language, instructions=msg.instructions, speed=msg.speed,
         response_format=msg.response_format,
@@ -367,12 +373,13 @@ def resolve_voice(requested: str | None, facts: ServerFacts) -> str:
                        f"clone voices (engines that can: {can}); use one of its voices: {', '.join(engine.voices)}")
         return requested
     valid = sorted({*engine.voices, *facts.voice_aliases})
-    raise _bad("voice", f"unknown voice {requested!r}; valid voices: {', '.join(valid)}")
+    raise _bad("voice", f"unknown voice {requested!r}; valid voices: {', '.join(valid)}", reason="voice_not_found")
 
 
-def _bad(param: str, detail: str) -> ProtocolError:
-    return ProtocolError("invalid_config", f"Invalid session config: {param}: {detail}", param=param)
+def _bad(param: str, detail: str, *, reason: str | None = None) -> ProtocolError:
+    return ProtocolError("invalid_config", f"Invalid session config: {param}: {detail}", param=param,
+                         reason=reason)
 
 
-def _unsupported(param: str, engine: str, why: str = "it cannot honour it") -> ProtocolError:
+def _unsupported(param: str, why: str, engine: str) -> ProtocolError:
     return _bad(param, f"not supported by engine {engine} ({why})")

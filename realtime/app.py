@@ -34,15 +34,16 @@ from voicewire.protocol.session import CLOSE_POLICY
 from voicewire.realtime import admission
 from voicewire.realtime.auth import IDENTITY, AccessControl, Identity, access_middleware
 from voicewire.realtime.bodies import body_deadline_middleware
-from voicewire.realtime.context import ServerContext
+from voicewire.realtime.context import Server, ServerContext
 from voicewire.realtime.openai_errors import OpenAIError
 from voicewire.realtime.rest import REST, add_rest_routes
 from voicewire.realtime.session import SessionRuntime
 from voicewire.realtime.settings import Settings
+from voicewire.realtime.voices import VoiceStore, default_voices_dir
 
 log = logging.getLogger("voicewire")
 
-CONTEXT: web.AppKey[ServerContext] = web.AppKey("voicewire_context", ServerContext)
+SERVER: web.AppKey[Server] = web.AppKey("voicewire_server", Server)
 CLOSE_GOING_AWAY = 1001
 CLOSE_TRY_AGAIN_LATER = 1013
 KEY_FILE_POLL_S = 2.0
@@ -52,7 +53,7 @@ DRAIN_POLL_S = 0.05
 
 @dataclass(slots=True, eq=False)
 class AppState:
-    """What the WebSocket route and the signal handlers keep beside the server context."""
+    """What the WebSocket route and the signal handlers keep beside the server (`SERVER`)."""
 
     admission: admission.Admission
     session_keys: dict[SessionRuntime, str | None] = field(default_factory=dict)
@@ -80,14 +81,17 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     engine = engine or create_engine(settings.engine, workers=settings.engine_workers,
                                      isolation=settings.engine_isolation)
     access = AccessControl(settings)
-    ctx = ServerContext(settings=settings, engine=engine, access=access)
+    voices = VoiceStore(settings.voices_dir or default_voices_dir(), max_voices=settings.max_voices,
+                        max_upload_bytes=settings.max_voice_upload_bytes)
+    server = Server(settings=settings, engine=engine, access=access, voices=voices)
     app = web.Application(client_max_size=settings.max_config_bytes, middlewares=[access_middleware(access)])
-    app[CONTEXT] = ctx
-    ctx.metrics.engine_workers.read = lambda: pool_health(engine)
-    app[STATE] = state = AppState(admission.Admission(ctx.metrics, settings.admission_utilization))
-    ctx.metrics.engine_speed.set_function(lambda: state.admission.measure() or 0.0)
-    ctx.metrics.capacity_streams.set_function(lambda: state.admission.capacity(_slots(ctx)) or 0.0)
-    ctx.metrics.speaking_streams.set_function(lambda: _speaking(app))
+    app[SERVER] = server
+    metrics = server.metrics
+    metrics.engine_workers.read = lambda: pool_health(engine)
+    app[STATE] = state = AppState(admission.Admission(metrics, settings.admission_utilization))
+    metrics.engine_speed.set_function(lambda: state.admission.measure() or 0.0)
+    metrics.capacity_streams.set_function(lambda: state.admission.capacity(_slots(server)) or 0.0)
+    metrics.speaking_streams.set_function(lambda: _speaking(app))
     app.on_response_prepare.append(_no_referrer)
     app.cleanup_ctx.append(_engine_lifecycle)
     app.cleanup_ctx.append(_signals_and_key_file)
@@ -95,7 +99,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/v1/audio/speech/stream", speech_stream)
-    add_rest_routes(app, ctx)
+    add_rest_routes(app, server)
     app.middlewares.append(body_deadline_middleware(access))  # innermost: it answers a body's timeout itself
     add_client_routes(app)
     return app
@@ -125,41 +129,45 @@ def add_client_routes(app: web.Application, folder: Path = CLIENTS_JS_DIR) -> No
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     """Load and warm the engine in the background, so `/health` answers while it loads; `/ready` and the
-    speech routes turn on when it is warm. A failed start is reported by `/health` (500) and logged."""
-    ctx = app[CONTEXT]
-    starting = asyncio.create_task(_start_engine(ctx))
+    speech routes turn on when it is warm (the `ServerContext` is built then). A failed start is reported by
+    `/health` (500) and logged."""
+    server = app[SERVER]
+    starting = asyncio.create_task(_start_engine(server))
     try:
         yield
     finally:
-        ctx.ready = False
+        server.shutting_down = True
         starting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await starting
-        await ctx.engine.close()
+        await server.engine.close()
 
 
-async def _start_engine(ctx: ServerContext) -> None:
+async def _start_engine(server: Server) -> None:
     started = time.monotonic()
     try:
-        await ctx.engine.start()
-        ctx.on_engine_started()
+        await server.engine.start()
+        server.context = ServerContext.build(server.settings, server.engine, server.metrics, server.voices)
     except Exception as exc:
-        ctx.engine_error = f"{type(exc).__name__}: {exc}"
-        log.exception("engine %s failed to start", ctx.settings.engine)
+        server.engine_error = f"{type(exc).__name__}: {exc}"
+        log.exception("engine %s failed to start", server.settings.engine)
         return
-    log.info("engine %s ready in %.2f s", ctx.engine.info.name, time.monotonic() - started)
+    log.info("engine %s ready in %.2f s", server.engine.info.name, time.monotonic() - started)
 
 
 async def _shutdown_sessions(app: web.Application) -> None:
     """App shutdown: let sessions finish their audio until the drain's deadline (`shutdown_grace_s` from
     the start of the drain, or from now), then close them all with 1001."""
-    ctx = app[CONTEXT]
-    ctx.shutting_down = True
+    server = app[SERVER]
+    server.shutting_down = True
     state = app[STATE]
     if state.drain_deadline is None:
-        state.drain_deadline = time.monotonic() + ctx.settings.shutdown_grace_s
-    await _until_idle(ctx, _runtimes(ctx), state.drain_deadline)
-    await asyncio.gather(*(s.shutdown(CLOSE_GOING_AWAY, "server shutting down") for s in _runtimes(ctx)),
+        state.drain_deadline = time.monotonic() + server.settings.shutdown_grace_s
+    ctx = server.context
+    if ctx is None:
+        return
+    await _until_idle(ctx, list(ctx.sessions), state.drain_deadline)
+    await asyncio.gather(*(s.shutdown(CLOSE_GOING_AWAY, "server shutting down") for s in list(ctx.sessions)),
                          return_exceptions=True)
 
 
@@ -169,25 +177,22 @@ async def _until_idle(ctx: ServerContext, runtimes: list[SessionRuntime], deadli
         await asyncio.sleep(DRAIN_POLL_S)
 
 
-def _runtimes(ctx: ServerContext) -> list[SessionRuntime]:
-    return [s for s in ctx.sessions if isinstance(s, SessionRuntime)]
-
-
 async def health(request: web.Request) -> web.Response:
     """Liveness: the process serves HTTP and its engine has not failed to start (500 if it has)."""
-    ctx = request.app[CONTEXT]
-    if ctx.engine_error is not None:
-        return web.json_response({"status": "error", "engine_error": ctx.engine_error}, status=500)
+    server = request.app[SERVER]
+    if server.engine_error is not None:
+        return web.json_response({"status": "error", "engine_error": server.engine_error}, status=500)
     return web.json_response({"status": "ok"})
 
 
 async def ready(request: web.Request) -> web.Response:
     """Readiness: the engine is loaded and warm, at least one of its worker processes is live (when it runs
     in workers), and the server is not shutting down. Reports the workers' states either way."""
-    ctx = request.app[CONTEXT]
-    workers = pool_health(ctx.engine)
+    server = request.app[SERVER]
+    workers = pool_health(server.engine)
     report = {} if workers is None else {"engine_workers": _workers_report(workers)}
-    if not ctx.ready or ctx.shutting_down:
+    ctx = server.serving()
+    if ctx is None:
         return web.json_response({"status": "not ready", **report}, status=503)
     if workers is not None and workers.live == 0:
         return web.json_response({"status": "not ready", "reason": "no engine worker is live; they are being "
@@ -210,12 +215,13 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
     after it, with close code 1013: the server already has `max_sessions` sessions, or the engine capacity
     is spoken for (`realtime.admission`).
     """
-    ctx = request.app[CONTEXT]
-    if not ctx.ready or ctx.shutting_down:
+    server = request.app[SERVER]
+    ctx = server.serving()
+    if ctx is None:
         return OpenAIError(503, "The engine is not ready; retry shortly", code="not_ready").response()
     who: Identity = request[IDENTITY]
     try:
-        ctx.access.open_session(who)
+        server.access.open_session(who)
     except OpenAIError as exc:
         ctx.metrics.sessions_refused.labels("limit").inc()
         return exc.response()
@@ -228,7 +234,7 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
             ctx.metrics.sessions_refused.labels("full").inc()
             await ws.close(code=CLOSE_TRY_AGAIN_LATER, message=b"server full")
             return ws
-        if not request.app[STATE].admission.admits(_speaking(request.app), _slots(ctx)):
+        if not request.app[STATE].admission.admits(_speaking(request.app), _slots(server)):
             ctx.metrics.sessions_refused.labels("capacity").inc()
             await ws.close(code=CLOSE_TRY_AGAIN_LATER,
                            message=f"server at capacity; retry after {admission.RETRY_AFTER_S} s".encode())
@@ -247,17 +253,18 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
             asyncio.get_running_loop().call_later(UNSENT_GRACE_S, _drop_unsent, request)
         return ws
     finally:
-        ctx.access.close_session(who)
+        server.access.close_session(who)
 
 
 def _speaking(app: web.Application) -> int:
     """Admission's demand: sessions with audio to produce or send, and REST speech requests in progress."""
-    ctx = app[CONTEXT]
-    return sum(1 for s in _runtimes(ctx) if s.busy) + app[REST].in_flight
+    ctx = app[SERVER].context
+    sessions = 0 if ctx is None else sum(1 for s in ctx.sessions if s.busy)
+    return sessions + app[REST].in_flight
 
 
-def _slots(ctx: ServerContext) -> int:
-    return ctx.scheduler.capacity if ctx.scheduler is not None else 0
+def _slots(server: Server) -> int:
+    return 0 if server.context is None else server.context.scheduler.capacity
 
 
 def _drop_unsent(request: web.Request) -> None:
@@ -284,9 +291,9 @@ async def _signals_and_key_file(app: web.Application) -> AsyncIterator[None]:
     """Watch the API key file (re-read within `KEY_FILE_POLL_S` of a change) and, on the main thread
     only (`voicewire serve`; an embedding thread keeps its own signals), handle SIGHUP (reload keys),
     SIGTERM and SIGINT (drain, then stop) as the module docstring says."""
-    ctx = app[CONTEXT]
+    server = app[SERVER]
     loop = asyncio.get_running_loop()
-    watcher = asyncio.create_task(_watch_key_file(app)) if ctx.access.keys.file is not None else None
+    watcher = asyncio.create_task(_watch_key_file(app)) if server.access.keys.file is not None else None
     signals = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT) if hasattr(signal, "SIGHUP") else ()
     if threading.current_thread() is not threading.main_thread():
         signals = ()
@@ -302,25 +309,25 @@ async def _signals_and_key_file(app: web.Application) -> AsyncIterator[None]:
 
 
 def _on_signal(app: web.Application, sig: signal.Signals) -> None:
-    ctx = app[CONTEXT]
+    server = app[SERVER]
     state = app[STATE]
     if sig == signal.SIGHUP:
-        if ctx.access.keys.file is None:
+        if server.access.keys.file is None:
             log.info("SIGHUP: no API key file is configured; nothing to reload")
         else:
             _reload_keys(app, force=True)
         return
     if state.exiting:
         log.info("%s: already stopping", sig.name)
-    elif ctx.shutting_down:
+    elif server.shutting_down:
         log.warning("%s again: stopping now", sig.name)
         state.exiting = True
         raise web.GracefulExit()
     else:
-        grace = ctx.settings.shutdown_grace_s
+        grace = server.settings.shutdown_grace_s
         log.info("%s: draining: /ready answers 503, new sessions and requests are refused, open sessions "
                  "have %g s to finish their audio", sig.name, grace)
-        ctx.shutting_down = True
+        server.shutting_down = True
         state.drain_deadline = time.monotonic() + grace
         state.spawn(_drain_then_stop(app), "drain")
 
@@ -329,10 +336,11 @@ async def _drain_then_stop(app: web.Application) -> None:
     """Wait for the sessions' audio in progress (up to the drain deadline), then stop the server the way
     aiohttp's own signal handler does (GracefulExit out of the loop): listener closed, sessions closed
     with 1001, engine closed."""
-    ctx = app[CONTEXT]
+    ctx = app[SERVER].context
     state = app[STATE]
     assert state.drain_deadline is not None
-    await _until_idle(ctx, _runtimes(ctx), state.drain_deadline)
+    if ctx is not None:
+        await _until_idle(ctx, list(ctx.sessions), state.drain_deadline)
     if not state.exiting:
         state.exiting = True
         asyncio.get_running_loop().call_soon(_raise_graceful_exit)
@@ -352,12 +360,15 @@ def _reload_keys(app: web.Application, *, force: bool) -> None:
     """Re-read the key file (see `KeyRing.reload`), count a failure, and close the sessions of revoked
     keys: each finishes the audio it has in progress (up to `shutdown_grace_s`), then is closed with 1008
     "api key revoked"."""
-    ctx = app[CONTEXT]
+    server = app[SERVER]
     state = app[STATE]
-    result = ctx.access.keys.reload(force=force)
+    result = server.access.keys.reload(force=force)
     if result.failed:
-        ctx.metrics.key_reload_failures.inc()
-    ctx.metrics.keys_stale.set(1 if ctx.access.keys.stale else 0)
+        server.metrics.key_reload_failures.inc()
+    server.metrics.keys_stale.set(1 if server.access.keys.stale else 0)
+    ctx = server.context
+    if ctx is None:
+        return  # no engine yet, so no sessions
     doomed = [r for r, key in state.session_keys.items() if key is not None and key in result.revoked]
     if doomed:
         log.info("closing %d sessions of revoked keys once their audio in progress is sent", len(doomed))

@@ -1,13 +1,21 @@
-"""What every session and request of one server shares: engine, scheduler, settings, metrics, voices."""
+"""What one server shares: `Server` from app creation to shutdown, `ServerContext` once its engine is warm.
+
+`Server` holds what exists before the engine is ready (settings, the engine object, access control,
+metrics, the voice store) and whether the engine failed to start or the server is shutting down.
+`ServerContext` is built whole from the started engine's info (`ServerContext.build`, in the app's engine
+cleanup context), so everything a session or request needs (scheduler, facts, voices) is there, never
+None; `Server.serving()` is the one readiness check.
+"""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from voicewire.adapters.base import Engine
 from voicewire.adapters.registry import CLONING_ENGINES
-from voicewire.protocol.messages import EngineDescription, Limits
+from voicewire.protocol.messages import Limits
 from voicewire.protocol.session import ServerFacts
 from voicewire.realtime.auth import AccessControl
 from voicewire.realtime.metrics import Metrics
@@ -15,42 +23,37 @@ from voicewire.realtime.scheduler import Scheduler
 from voicewire.realtime.settings import OPENAI_VOICE_NAMES, Settings
 from voicewire.realtime.voices import VoiceStore
 
+if TYPE_CHECKING:
+    from voicewire.realtime.session import SessionRuntime
 
-@dataclass(slots=True)
+
+@dataclass(frozen=True, slots=True, eq=False)
 class ServerContext:
-    """Shared state of one running server. Created by the app factory; engine started in cleanup_ctx."""
+    """Shared state of one running server whose engine is started and warm; see `build`."""
 
     settings: Settings
     engine: Engine
-    access: AccessControl
-    metrics: Metrics = field(default_factory=Metrics)
-    scheduler: Scheduler | None = None
-    facts: ServerFacts | None = None
-    ready: bool = False
-    engine_error: str | None = None
-    shutting_down: bool = False
-    sessions: set[object] = field(default_factory=set)
-    voices: VoiceStore | None = None
-    """Uploaded voices (set up with the REST routes); resolved by name after the engine's own voices."""
+    metrics: Metrics
+    voices: VoiceStore
+    """Uploaded voices; resolved by name after the engine's own voices."""
+    scheduler: Scheduler
+    facts: ServerFacts
+    sessions: set[SessionRuntime] = field(default_factory=set)
+    """The open WebSocket sessions."""
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def next_id(self, prefix: str) -> str:
         return f"{prefix}_{next(self._ids):06d}"
 
-    def on_engine_started(self) -> None:
-        """Derive the scheduler and the session facts from the started engine's info."""
-        info = self.engine.info
-        s = self.settings
-        self.scheduler = Scheduler(info.max_concurrency)
+    @classmethod
+    def build(cls, settings: Settings, engine: Engine, metrics: Metrics, voices: VoiceStore) -> ServerContext:
+        """The context of a started `engine`: its scheduler and session facts derive from `engine.info`."""
+        info = engine.info
+        s = settings
         aliases = {name: info.default_voice for name in OPENAI_VOICE_NAMES}
         aliases.update({k.lower(): v for k, v in s.voice_aliases.items()})
-        caps = info.capabilities
-        self.facts = ServerFacts(
-            engine=EngineDescription(
-                name=info.name, sample_rate=info.sample_rate, voices=list(info.voices),
-                default_voice=info.default_voice, languages=list(info.languages),
-                word_timestamps=caps.word_timings, voice_cloning=caps.voice_cloning,
-                native_speed=list(caps.speed_range)),
+        facts = ServerFacts(
+            info=info,
             limits=Limits(
                 config_timeout_s=s.config_timeout_s, idle_timeout_s=s.idle_timeout_s,
                 stall_timeout_s=s.stall_timeout_s, max_message_bytes=s.max_message_bytes,
@@ -62,16 +65,30 @@ class ServerContext:
             model_names=frozenset({info.name, *s.model_aliases}),
             voice_aliases=aliases,
             languages=_language_names(info.languages),
-            supports_instructions=caps.instructions,
-            supports_seed=caps.seed,
-            supports_codec_chunking=caps.codec_frames,
-            voice_exists=self._uploaded_voice_exists,
+            voice_exists=voices.__contains__,
             cloning_engines=CLONING_ENGINES,
         )
-        self.ready = True
+        return cls(settings=settings, engine=engine, metrics=metrics, voices=voices,
+                   scheduler=Scheduler(info.max_concurrency), facts=facts)
 
-    def _uploaded_voice_exists(self, name: str) -> bool:
-        return self.voices is not None and name in self.voices
+
+@dataclass(slots=True, eq=False)
+class Server:
+    """One server from app creation to shutdown (the app factory makes it; the engine cleanup context sets
+    `context` once the engine is warm, or `engine_error` when it failed to start)."""
+
+    settings: Settings
+    engine: Engine
+    access: AccessControl
+    voices: VoiceStore
+    metrics: Metrics = field(default_factory=Metrics)
+    context: ServerContext | None = None
+    engine_error: str | None = None
+    shutting_down: bool = False
+
+    def serving(self) -> ServerContext | None:
+        """The context while the server takes new work (engine warm, not shutting down), else None."""
+        return None if self.shutting_down else self.context
 
 
 def _language_names(codes: tuple[str, ...]) -> frozenset[str]:

@@ -50,12 +50,10 @@ def bad_request(message: str, param: str | None, code: str = "invalid_value") ->
 
 
 def from_protocol_error(exc: ProtocolError) -> OpenAIError:
-    """The REST twin of a config error of the WebSocket (same validation, same message and param);
-    an unknown model is a 404 as in OpenAI's API."""
-    if exc.param == "model":
-        return OpenAIError(404, exc.message, code="model_not_found", param="model")
-    code = "voice_not_found" if exc.param == "voice" and "unknown voice" in exc.message else "invalid_value"
-    return OpenAIError(400, exc.message, code=code, param=exc.param)
+    """The REST twin of a config error of the WebSocket (same validation, same message and param, code
+    `exc.reason` or `invalid_value`); an unknown model is a 404 as in OpenAI's API."""
+    status = 404 if exc.reason == "model_not_found" else 400
+    return OpenAIError(status, exc.message, code=exc.reason or "invalid_value", param=exc.param)
 
 
 def openai_error_middleware(on_error: ErrorHook) -> Middleware:

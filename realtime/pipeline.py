@@ -14,43 +14,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from voicewire.adapters.base import EngineInfo, SynthesisRequest
+from voicewire.protocol.engine import SpeechParams, SynthesisRequest, UnitTimeout
 from voicewire.protocol.messages import EffectiveConfig
-from voicewire.protocol.render import RenderedPiece, RenderPlan, UnitRenderer, plan_speed
+from voicewire.protocol.render import RenderedPiece, UnitRenderer, render_plan, synthesis_request
 from voicewire.realtime.context import ServerContext
-
-SECONDS_PER_CHAR_ESTIMATE = 0.065
-"""Rough speech duration of one character (`estimate_seconds`)."""
-
-
-def estimate_seconds(text: str, config: EffectiveConfig) -> float:
-    """Expected audio duration of `text` under `config`, for playback deadlines of units not yet heard."""
-    return len(text) * SECONDS_PER_CHAR_ESTIMATE / config.speed
-
-
-class UnitTimeout(Exception):
-    """A unit's engine work ran past `Settings.unit_timeout_s`; it was cancelled."""
-
-
-def render_plan(config: EffectiveConfig, info: EngineInfo, *, stream: bool | None = None) -> RenderPlan:
-    """How a unit under `config` is rendered: engine speed, extra time-stretch, rates, format."""
-    engine_speed, stretch = plan_speed(config.speed, info.capabilities.speed_range)
-    return RenderPlan(response_format=config.response_format,
-                      stream=config.stream_audio if stream is None else stream,
-                      native_rate=info.sample_rate, output_rate=config.sample_rate,
-                      engine_speed=engine_speed, stretch=stretch)
-
-
-def synthesis_request(request_id: str, text: str, config: EffectiveConfig, plan: RenderPlan) -> SynthesisRequest:
-    # Codec-frame options are accepted only for engines that honour them (resolve_config).
-    options: dict[str, object] = {}
-    if config.initial_codec_chunk_frames is not None:
-        options["initial_codec_chunk_frames"] = config.initial_codec_chunk_frames
-    if config.max_new_tokens is not None:
-        options["max_new_tokens"] = config.max_new_tokens
-    return SynthesisRequest(request_id=request_id, text=text, voice=config.voice, speed=plan.engine_speed,
-                            language=config.language, seed=config.seed, instructions=config.instructions,
-                            options=options)
 
 
 async def synthesize_unit(ctx: ServerContext, request: SynthesisRequest, renderer: UnitRenderer, deadline: float,
@@ -62,7 +29,6 @@ async def synthesize_unit(ctx: ServerContext, request: SynthesisRequest, rendere
     does a unit running past `unit_timeout_s` of engine time, which raises `UnitTimeout`. Engine
     exceptions propagate after the iterator is closed and the slot released.
     """
-    assert ctx.scheduler is not None
     limit = ctx.settings.unit_timeout_s
     async with ctx.scheduler.slot(deadline):
         started = time.monotonic()
@@ -99,13 +65,14 @@ class UnitRun:
     engine_s: float = 0.0
 
     @classmethod
-    def start(cls, ctx: ServerContext, request_id: str, text: str, config: EffectiveConfig, deadline: float,
-              wake: Callable[[], None], *, stream: bool | None = None) -> UnitRun:
+    def start(cls, ctx: ServerContext, request_id: str, text: str, config: EffectiveConfig, params: SpeechParams,
+              deadline: float, wake: Callable[[], None], *, stream: bool | None = None) -> UnitRun:
         """Render `text` under `config` (`render_plan`, `stream` as there) through `synthesize_unit` as engine
-        request `request_id`; `wake()` is called after every piece and once when the unit is done. Cancelling
-        `task` cancels the unit (the engine iterator is closed)."""
+        request `request_id` with the engine fields `params` (`synthesis_request`); `wake()` is called after
+        every piece and once when the unit is done. Cancelling `task` cancels the unit (the engine iterator
+        is closed)."""
         renderer = UnitRenderer(render_plan(config, ctx.engine.info, stream=stream))
-        request = synthesis_request(request_id, text, config, renderer.plan)
+        request = synthesis_request(request_id, text, config, params, renderer.plan)
         run = cls()
 
         def sink(piece: RenderedPiece) -> None:
@@ -118,6 +85,7 @@ class UnitRun:
             except Exception as exc:
                 run.error = exc
             finally:
+                renderer.close()
                 run.done = True
                 wake()
 

@@ -31,9 +31,10 @@ import msgspec
 from aiohttp import BodyPartReader, hdrs, web
 from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
+from voicewire.protocol.encoders import REST_CONTENT_TYPES
+from voicewire.protocol.engine import failure_of
 from voicewire.protocol.session import ServerFacts
-from voicewire.realtime.context import ServerContext
-from voicewire.realtime.encoders import REST_CONTENT_TYPES
+from voicewire.realtime.context import Server, ServerContext
 from voicewire.realtime.openai_errors import OpenAIError, bad_request, openai_error_middleware
 from voicewire.realtime.speech import (
     SpeechPlan,
@@ -42,7 +43,7 @@ from voicewire.realtime.speech import (
     decode_speech_request,
     plan_speech,
 )
-from voicewire.realtime.voices import VoiceStore, VoiceStoreError, default_voices_dir
+from voicewire.realtime.voices import VoiceStoreError
 
 log = logging.getLogger("voicewire.rest")
 
@@ -57,7 +58,7 @@ _BATCH_STREAM_FIELDS: Final = ("stream", "stream_format")
 class RestState:
     """What the REST routes keep beside the server context."""
 
-    ctx: ServerContext
+    server: Server
     created: int
     """Unix time the routes were set up: `created` of `/v1/models` entries."""
     in_flight: int = 0
@@ -66,16 +67,10 @@ class RestState:
 REST: Final = web.AppKey("voicewire_rest", RestState)
 
 
-def add_rest_routes(app: web.Application, ctx: ServerContext) -> None:
-    """Register the REST routes, the OpenAI error middleware and the voice store on `app`.
-
-    The voice store is created on `ctx` now and restored from disk at app startup (after the engine
-    starts, since `cleanup_ctx` was registered first).
-    """
-    s = ctx.settings
-    ctx.voices = VoiceStore(s.voices_dir or default_voices_dir(), max_voices=s.max_voices,
-                            max_upload_bytes=s.max_voice_upload_bytes)
-    app[REST] = RestState(ctx, int(time.time()))
+def add_rest_routes(app: web.Application, server: Server) -> None:
+    """Register the REST routes and the OpenAI error middleware on `app`, and restore the server's voice
+    store from disk at app startup (after the engine starts loading: `cleanup_ctx` was registered first)."""
+    app[REST] = RestState(server, int(time.time()))
     app.middlewares.append(_count_requests)
     app.middlewares.append(openai_error_middleware(_count_error))
     app.on_startup.append(_restore_voices)
@@ -90,9 +85,7 @@ def add_rest_routes(app: web.Application, ctx: ServerContext) -> None:
 
 
 async def _restore_voices(app: web.Application) -> None:
-    voices = app[REST].ctx.voices
-    assert voices is not None
-    await voices.restore()
+    await app[REST].server.voices.restore()
 
 
 @web.middleware
@@ -109,33 +102,35 @@ async def _count_requests(request: web.Request, handler: Handler) -> web.StreamR
         status = exc.status
         raise
     finally:
-        request.app[REST].ctx.metrics.requests.labels(label, str(status)).inc()
+        request.app[REST].server.metrics.requests.labels(label, str(status)).inc()
 
 
 def _count_error(request: web.Request, status: int, code: str) -> None:
-    request.app[REST].ctx.metrics.errors.labels(code).inc()
+    request.app[REST].server.metrics.errors.labels(code).inc()
 
 
-def _facts(ctx: ServerContext) -> ServerFacts:
-    if not ctx.ready or ctx.shutting_down or ctx.facts is None:
+def _serving(state: RestState) -> ServerContext:
+    """The server's context, or a 503 while the engine is not ready or the server is shutting down."""
+    ctx = state.server.serving()
+    if ctx is None:
         raise OpenAIError(503, "The engine is not ready; retry shortly", code="not_ready")
-    return ctx.facts
+    return ctx
 
 
 @contextlib.contextmanager
 def _admitted(state: RestState) -> Iterator[None]:
     """Hold one of the `max_rest_requests` synthesis places, or raise 503."""
-    limit = state.ctx.settings.max_rest_requests
+    limit = state.server.settings.max_rest_requests
     if state.in_flight >= limit:
         raise OpenAIError(503, f"The server is full ({limit} speech requests in progress); retry shortly",
                           code="server_full")
     state.in_flight += 1
-    state.ctx.metrics.rest_in_flight.inc()
+    state.server.metrics.rest_in_flight.inc()
     try:
         yield
     finally:
         state.in_flight -= 1
-        state.ctx.metrics.rest_in_flight.dec()
+        state.server.metrics.rest_in_flight.dec()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,8 +140,8 @@ def _admitted(state: RestState) -> Iterator[None]:
 async def create_speech(request: web.Request) -> web.StreamResponse:
     """`POST /v1/audio/speech`."""
     state = request.app[REST]
-    ctx = state.ctx
-    facts = _facts(ctx)
+    ctx = _serving(state)
+    facts = ctx.facts
     started = time.monotonic()
     plan = plan_speech(decode_speech_request(await request.read()), facts,
                        max_input_chars=ctx.settings.max_input_chars)
@@ -244,7 +239,8 @@ def _observe_ttfa(synthesis: SpeechSynthesis) -> None:
 
 def _generation_failed(synthesis: SpeechSynthesis, exc: BaseException) -> OpenAIError:
     log.error("speech request %s failed: %s", synthesis.request_id, exc, exc_info=exc)
-    return OpenAIError(500, f"Speech generation failed: {exc or type(exc).__name__}", code="generation_failed")
+    code, reason = failure_of(exc)
+    return OpenAIError(500, f"Speech generation failed: {reason}", code=code)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -255,8 +251,8 @@ async def create_speech_batch(request: web.Request) -> web.Response:
     """`POST /v1/audio/speech/batch`: vllm-omni's shape. Batch-level fields are defaults that items
     override; a bad batch is a 4xx, a bad or failed item is an `error` result beside the others."""
     state = request.app[REST]
-    ctx = state.ctx
-    facts = _facts(ctx)
+    ctx = _serving(state)
+    facts = ctx.facts
     started = time.monotonic()
     try:
         raw = msgspec.json.decode(await request.read())
@@ -322,16 +318,11 @@ async def _batch_item(ctx: ServerContext, index: int, plan: SpeechPlan | str, re
 # Voices
 
 
-def _store(ctx: ServerContext) -> VoiceStore:
-    assert ctx.voices is not None
-    return ctx.voices
-
-
 async def list_voices(request: web.Request) -> web.Response:
     """`GET /v1/audio/voices`: every name `voice` accepts, and the uploaded voices' details."""
-    ctx = request.app[REST].ctx
-    facts = _facts(ctx)
-    store = _store(ctx)
+    ctx = _serving(request.app[REST])
+    facts = ctx.facts
+    store = ctx.voices
     records = store.records()
     names = sorted({*facts.engine.voices, *facts.voice_aliases, *(r.name for r in records)})
     return web.json_response({
@@ -342,9 +333,9 @@ async def list_voices(request: web.Request) -> web.Response:
 async def upload_voice(request: web.Request) -> web.Response:
     """`POST /v1/audio/voices` (multipart: `audio_sample`, `consent`, `name`, optional `ref_text`,
     `speaker_description`). Nothing is stored unless every check passes."""
-    ctx = request.app[REST].ctx
-    facts = _facts(ctx)
-    store = _store(ctx)
+    ctx = _serving(request.app[REST])
+    facts = ctx.facts
+    store = ctx.voices
     fields, sample, mime_type = await _read_voice_form(request, store.max_upload_bytes)
     for required in ("name", "consent"):
         if not fields.get(required, "").strip():
@@ -396,7 +387,7 @@ async def _read_part(part: BodyPartReader, limit: int, param: str) -> bytes:
 
 async def delete_voice(request: web.Request) -> web.Response:
     """`DELETE /v1/audio/voices/{name}`: 404 when there is no uploaded voice of that name."""
-    store = _store(request.app[REST].ctx)
+    store = request.app[REST].server.voices
     name = request.match_info["name"]
     try:
         await store.remove(name)
@@ -419,7 +410,7 @@ def _model_entries(state: RestState, facts: ServerFacts) -> dict[str, dict[str, 
 async def list_models(request: web.Request) -> web.Response:
     """`GET /v1/models`: the served engine first, then the model names accepted as its aliases."""
     state = request.app[REST]
-    entries = _model_entries(state, _facts(state.ctx))
+    entries = _model_entries(state, _serving(state).facts)
     return web.json_response({"object": "list", "data": list(entries.values())})
 
 
@@ -427,7 +418,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     """`GET /v1/models/{model}`: one entry, or 404."""
     state = request.app[REST]
     model = request.match_info["model"]
-    entry = _model_entries(state, _facts(state.ctx)).get(model)
+    entry = _model_entries(state, _serving(state).facts).get(model)
     if entry is None:
         raise OpenAIError(404, f"The model {model!r} does not exist", code="model_not_found", param="model")
     return web.json_response(entry)
@@ -436,9 +427,9 @@ async def retrieve_model(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """`GET /metrics`: Prometheus text; the engine gauges are read from the scheduler now, the event loop's
     task count (a leak detector for soak runs) from asyncio now."""
-    ctx = request.app[REST].ctx
-    if ctx.scheduler is not None:
-        ctx.metrics.engine_queue.set(ctx.scheduler.queue_depth)
-        ctx.metrics.engine_in_use.set(ctx.scheduler.in_use)
-    ctx.metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
-    return web.Response(body=ctx.metrics.render(), headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
+    server = request.app[REST].server
+    if server.context is not None:
+        server.metrics.engine_queue.set(server.context.scheduler.queue_depth)
+        server.metrics.engine_in_use.set(server.context.scheduler.in_use)
+    server.metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
+    return web.Response(body=server.metrics.render(), headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})

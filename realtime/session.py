@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import WSMsgType, web
+from voicewire.protocol.engine import UnitTimeout, failure_of
 from voicewire.protocol.messages import (
     AudioCancelled,
     AudioChunk,
@@ -42,7 +43,7 @@ from voicewire.protocol.messages import (
     decode_client_message,
     encode_event,
 )
-from voicewire.protocol.render import RenderedPiece, place_words
+from voicewire.protocol.render import RenderedPiece, estimate_seconds, place_words
 from voicewire.protocol.session import (
     CLOSE_POLICY,
     Action,
@@ -56,7 +57,7 @@ from voicewire.protocol.session import (
     message_type,
 )
 from voicewire.realtime.context import ServerContext
-from voicewire.realtime.pipeline import UnitRun, UnitTimeout, estimate_seconds
+from voicewire.realtime.pipeline import UnitRun
 
 log = logging.getLogger("voicewire.session")
 
@@ -104,7 +105,6 @@ class SessionRuntime:
     """Serves one accepted WebSocket until it closes. Create, then `await run()`."""
 
     def __init__(self, ws: web.WebSocketResponse, ctx: ServerContext) -> None:
-        assert ctx.facts is not None and ctx.scheduler is not None
         self.ws = ws
         self.ctx = ctx
         self.settings = ctx.settings
@@ -341,7 +341,7 @@ class SessionRuntime:
     def _start(self, job: UnitJob) -> None:
         unit = job.unit
         run = job.run = UnitRun.start(self.ctx, f"{self.session_id}-{unit.utterance_index}-{unit.sentence_index}",
-                                      unit.text, unit.config, self._deadline(job), self._wake.set)
+                                      unit.text, unit.config, unit.params, self._deadline(job), self._wake.set)
         self.engine_requests_started += 1
         self._unit_tasks.add(run.task)
         run.task.add_done_callback(self._unit_tasks.discard)
@@ -503,12 +503,7 @@ class SessionRuntime:
 
 def _failure(run: UnitRun) -> tuple[str, str] | None:
     """(error code, reason) of a failed unit; None when it succeeded."""
-    exc = run.error
-    if exc is None:
-        return None
-    if isinstance(exc, UnitTimeout):
-        return "unit_timeout", str(exc)
-    return "generation_failed", str(exc) or type(exc).__name__
+    return None if run.error is None else failure_of(run.error)
 
 
 def _log_failure(run: UnitRun) -> None:

@@ -26,23 +26,23 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from voicewire.protocol.audio import codec_rate
+from voicewire.protocol.encoders import STREAMING_FORMATS, RestFormat, make_encoder
+from voicewire.protocol.engine import SpeechParams, speech_fields, speech_params
 from voicewire.protocol.messages import (
     SAMPLE_RATE_MAX,
     SAMPLE_RATE_MIN,
-    SPEED_MAX,
-    SPEED_MIN,
     EffectiveConfig,
     ProtocolError,
     SessionConfig,
     WordTiming,
+    invalid_field,
 )
-from voicewire.protocol.render import RenderedPiece, place_words
+from voicewire.protocol.render import RenderedPiece, estimate_seconds, place_words
 from voicewire.protocol.segmenter import Segmenter
 from voicewire.protocol.session import ServerFacts, resolve_config
 from voicewire.realtime.context import ServerContext
-from voicewire.realtime.encoders import STREAMING_FORMATS, RestFormat, make_encoder
 from voicewire.realtime.openai_errors import OpenAIError, bad_request, from_protocol_error
-from voicewire.realtime.pipeline import UnitRun, estimate_seconds
+from voicewire.realtime.pipeline import UnitRun
 
 Delivery = Literal["stream", "sse", "whole"]
 
@@ -56,30 +56,19 @@ class VoiceRef(msgspec.Struct, forbid_unknown_fields=False):
     id: str
 
 
-class SpeechRequest(msgspec.Struct, kw_only=True):
-    """`POST /v1/audio/speech`: OpenAI's fields plus vllm-omni's extras. Unknown fields are ignored."""
+class SpeechRequest(SpeechParams, kw_only=True, frozen=True):
+    """`POST /v1/audio/speech`: OpenAI's fields plus vllm-omni's extras; the engine's request fields
+    (`SpeechParams`) are the WebSocket's. Unknown fields are ignored."""
 
     input: str
     model: str | None = None
     voice: str | VoiceRef | None = None
     speaker: str | None = None
-    instructions: str | None = None
     response_format: RestFormat = "mp3"
-    speed: Annotated[float, msgspec.Meta(ge=SPEED_MIN, le=SPEED_MAX)] = 1.0
     stream_format: Literal["audio", "sse"] | None = None
     stream: bool | None = None
     sample_rate: Annotated[int, msgspec.Meta(ge=SAMPLE_RATE_MIN, le=SAMPLE_RATE_MAX)] | None = None
-    language: str | None = None
-    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
     word_timestamps: bool = False
-    task_type: str | None = None
-    ref_audio: str | None = None
-    ref_text: str | None = None
-    x_vector_only_mode: bool | None = None
-    speaker_embedding: list[float] | None = None
-    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    initial_codec_chunk_frames: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
-    extra_params: dict[str, Any] | None = None
 
 
 _decoder: Final = msgspec.json.Decoder(SpeechRequest)
@@ -102,15 +91,10 @@ def convert_speech_request(fields: dict[str, Any]) -> SpeechRequest:
 
 
 def validation_error(exc: msgspec.DecodeError) -> OpenAIError:
-    """A msgspec failure as a 400: `param` is the first path component msgspec reports."""
-    detail = str(exc)
+    """A msgspec failure as a 400 naming the field (`invalid_field`)."""
     if not isinstance(exc, msgspec.ValidationError):
-        return bad_request(f"Invalid JSON body: {detail}", None, "invalid_json")
-    param = None
-    if "at `$." in detail:
-        param = detail.split("at `$.", 1)[1].split("`", 1)[0].split(".", 1)[0].split("[", 1)[0]
-    elif "missing required field `" in detail:
-        param = detail.split("missing required field `", 1)[1].split("`", 1)[0]
+        return bad_request(f"Invalid JSON body: {exc}", None, "invalid_json")
+    param, detail = invalid_field(exc)
     return bad_request(f"Invalid request: {detail}", param)
 
 
@@ -132,6 +116,7 @@ class SpeechPlan:
     instructions: str | None
     units: tuple[TextUnit, ...]
     config: EffectiveConfig
+    params: SpeechParams
     response_format: RestFormat
     delivery: Delivery
 
@@ -148,9 +133,6 @@ def plan_speech(req: SpeechRequest, facts: ServerFacts, *, max_input_chars: int,
         raise bad_request(f"input is {len(req.input)} characters; the limit is {max_input_chars}", "input")
     if not any(ch.isalnum() for ch in req.input):
         raise bad_request("input has nothing to speak", "input")
-    if req.extra_params:
-        raise bad_request(f"extra_params are not supported by engine {facts.engine.name} "
-                          f"(got {', '.join(sorted(req.extra_params))})", "extra_params")
     explicit_stream = req.stream_format is not None or req.stream is not None
     if delivery is None:
         if req.stream_format == "sse" or (req.stream_format is None and req.stream is True):
@@ -167,19 +149,16 @@ def plan_speech(req: SpeechRequest, facts: ServerFacts, *, max_input_chars: int,
     voice = req.voice.id if isinstance(req.voice, VoiceRef) else req.voice
     rate = codec_rate(req.response_format, req.sample_rate or facts.engine.sample_rate)
     session = SessionConfig(
-        model=req.model, voice=voice, speaker=req.speaker, language=req.language,
-        instructions=req.instructions, speed=req.speed, response_format="pcm", sample_rate=rate,
+        model=req.model, voice=voice, speaker=req.speaker, response_format="pcm", sample_rate=rate,
         stream_audio=True, split_granularity="sentence", word_timestamps=req.word_timestamps,
-        task_type=req.task_type, ref_audio=req.ref_audio, ref_text=req.ref_text,
-        x_vector_only_mode=req.x_vector_only_mode, speaker_embedding=req.speaker_embedding, seed=req.seed,
-        max_new_tokens=req.max_new_tokens, initial_codec_chunk_frames=req.initial_codec_chunk_frames)
+        **speech_fields(req))
     try:
         config = resolve_config(session, facts)
     except ProtocolError as exc:
         raise from_protocol_error(exc) from None
     return SpeechPlan(input=req.input, instructions=req.instructions,
                       units=split_units(req.input, facts.limits.max_unit_chars), config=config,
-                      response_format=req.response_format, delivery=delivery)
+                      params=speech_params(req), response_format=req.response_format, delivery=delivery)
 
 
 def split_units(text: str, max_unit_chars: int) -> tuple[TextUnit, ...]:
@@ -273,8 +252,8 @@ class SpeechSynthesis:
                 while started < len(units) and len(runs) < cap:
                     unit = units[started]
                     runs.append((unit, UnitRun.start(self.ctx, f"{self.request_id}-{unit.index}", unit.text,
-                                                     self.plan.config, self.started + estimate_s, wake.set,
-                                                     stream=True)))
+                                                     self.plan.config, self.plan.params,
+                                                     self.started + estimate_s, wake.set, stream=True)))
                     estimate_s += estimate_seconds(unit.text, self.plan.config)
                     started += 1
                 unit, run = runs[0]

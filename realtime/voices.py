@@ -37,7 +37,7 @@ import numpy as np
 import soundfile as sf
 from safetensors import safe_open
 from safetensors.numpy import save as safetensors_bytes
-from voicewire.adapters.base import FloatAudio
+from voicewire.protocol.engine import FloatAudio
 
 log = logging.getLogger("voicewire.voices")
 

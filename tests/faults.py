@@ -17,11 +17,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import replace
 from pathlib import Path
 
-from voicewire.adapters.base import AudioPiece, Engine, EngineInfo, SynthesisRequest
+from msgspec.structs import replace
+from voicewire.adapters.base import Engine
 from voicewire.adapters.hibari import HibariEngine
+from voicewire.protocol.engine import AudioPiece, EngineInfo, SynthesisRequest
 
 BURN_S = 600.0
 

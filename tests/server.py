@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 from voicewire.adapters.base import Engine
-from voicewire.realtime.app import CONTEXT, create_app
+from voicewire.realtime.app import SERVER, create_app
 from voicewire.realtime.auth import AccessLog
-from voicewire.realtime.context import ServerContext
+from voicewire.realtime.context import Server, ServerContext
 from voicewire.realtime.settings import Settings
 
 T = TypeVar("T")
@@ -50,8 +50,15 @@ class ServerThread:
             raise self._error
 
     @property
+    def state(self) -> Server:
+        return self.app[SERVER]
+
+    @property
     def ctx(self) -> ServerContext:
-        return self.app[CONTEXT]
+        """The running server's context (the server is started and warm once the constructor returns)."""
+        ctx = self.state.context
+        assert ctx is not None
+        return ctx
 
     @property
     def http_url(self) -> str:
@@ -76,9 +83,9 @@ class ServerThread:
         """Listen, then wait until the engine is warm (the server answers /health meanwhile)."""
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-        while not self.ctx.ready:
-            if self.ctx.engine_error is not None:
-                raise RuntimeError(self.ctx.engine_error)
+        while self.state.context is None:
+            if self.state.engine_error is not None:
+                raise RuntimeError(self.state.engine_error)
             await asyncio.sleep(0.02)
 
     def call(self, fn: Callable[[], Coroutine[Any, Any, T]], timeout: float = 30.0) -> T:

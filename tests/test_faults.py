@@ -109,3 +109,14 @@ async def test_rest_engine_failures_are_reported_in_openai_shape(faulty: ServerT
         # The server is fine afterwards.
         async with http.post(url, json={"input": "All good now.", "voice": "alloy", "response_format": "pcm"}) as resp:
             assert resp.status == 200 and len(await resp.read()) > 24000
+
+
+async def test_rest_reports_a_unit_timeout_with_its_own_code(faulty: ServerThread) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{faulty.http_url}/v1/audio/speech", json={
+                "input": "[hang] Never done.", "voice": "alloy", "response_format": "wav", "stream": False}) as resp:
+            body = await resp.json()
+    assert resp.status == 500 and body["error"]["code"] == "unit_timeout"
+    assert "timed out after 1 s" in body["error"]["message"]

@@ -8,8 +8,9 @@ from collections.abc import AsyncGenerator, Iterator
 import numpy as np
 import pytest
 from hibari import Hibari
-from voicewire.adapters.base import AudioPiece, Engine, SynthesisRequest, WordSpan
+from voicewire.adapters.base import Engine
 from voicewire.adapters.hibari import DURATION_UNIT, HibariEngine
+from voicewire.protocol.engine import AudioPiece, SynthesisRequest, WordSpan
 
 TOLKIEN = "On the 3rd of March 2024, Dr. Smith paid $9.99 to J. R. R. Tolkien's estate."
 TOLKIEN_WORDS = [
@@ -71,7 +72,7 @@ def test_engine_info_describes_hibari(engine: HibariEngine) -> None:
         "heart",
     )
     assert info.languages == ("en",)
-    assert info.capabilities.word_timings and info.capabilities.seed and not info.capabilities.voice_cloning
+    assert info.capabilities.word_timings and "seed" in info.capabilities.fields and not info.capabilities.voice_cloning
     assert info.capabilities.speed_range == (0.5, 2.0)
     assert info.capabilities.streaming == "unit"
     assert info.max_concurrency == 1

@@ -25,7 +25,7 @@ async def test_hanging_up_cancels_the_remaining_units(server: ServerThread, stre
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     async with asyncio.timeout(60):
-        while (server.ctx.scheduler is not None and (server.ctx.scheduler.in_use or server.ctx.scheduler.queue_depth)):
+        while (server.ctx.scheduler.in_use or server.ctx.scheduler.queue_depth):
             await asyncio.sleep(0.01)
     after = engine.stats  # type: ignore[attr-defined]
     assert after.started - before.started < 20, "the units after the hang-up never started"

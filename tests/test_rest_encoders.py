@@ -6,7 +6,7 @@ import struct
 
 import pytest
 from voicewire.protocol.audio import codec_rate
-from voicewire.realtime.encoders import REST_FORMATS, STREAMING_FORMATS, make_encoder
+from voicewire.protocol.encoders import REST_FORMATS, STREAMING_FORMATS, make_encoder
 
 from tests.rest_audio import decode, pcm16, tone
 

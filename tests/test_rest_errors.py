@@ -37,6 +37,10 @@ BAD_SPEECH: list[tuple[str, dict[str, Any], int, str | None, str]] = [
     ("max_new_tokens on hibari", {**OK, "max_new_tokens": 100}, 400, "max_new_tokens", "invalid_value"),
     ("extra_params on hibari", {**OK, "extra_params": {"temperature": 0.5}}, 400, "extra_params",
      "invalid_value"),
+    *((f"{name} on hibari", {**OK, name: value}, 400, name, "invalid_value") for name, value in (
+        ("non_streaming_mode", False), ("ref_audio_2", "data:audio/wav;base64,AAAA"),
+        ("ambient_sound", "rain on a tin roof"), ("duration_seconds", 2.0),
+        ("references", [{"audio_path": "data:audio/wav;base64,AAAA", "text": "Hi."}]))),
     ("negative seed", {**OK, "seed": -1}, 400, "seed", "invalid_value"),
     ("streamed word timestamps", {**OK, "word_timestamps": True, "stream_format": "audio"}, 400,
      "word_timestamps", "invalid_value"),
@@ -130,7 +134,7 @@ def test_a_full_server_answers_503(full_server: ServerThread) -> None:
 
 def test_a_server_that_is_not_ready_answers_503(full_server: ServerThread) -> None:
     async def begin_shutdown() -> None:
-        full_server.ctx.shutting_down = True
+        full_server.state.shutting_down = True
 
     full_server.call(begin_shutdown)
     for method, path in (("POST", SPEECH), ("GET", "/v1/models"), ("GET", "/v1/audio/voices")):

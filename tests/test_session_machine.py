@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from voicewire.protocol.engine import EngineCapabilities, EngineInfo
 from voicewire.protocol.messages import (
-    EngineDescription,
     InputCancel,
     InputDone,
     InputText,
@@ -26,8 +26,10 @@ from voicewire.protocol.session import (
 )
 
 FACTS = ServerFacts(
-    engine=EngineDescription(name="hibari", sample_rate=24000, voices=["heart"], default_voice="heart",
-                             languages=["en"], word_timestamps=True, voice_cloning=False, native_speed=[0.5, 2.0]),
+    info=EngineInfo(name="hibari", sample_rate=24000, voices=("heart",), default_voice="heart", languages=("en",),
+                    capabilities=EngineCapabilities(word_timings=True, voice_cloning=False, speed_range=(0.5, 2.0),
+                                                    fields=frozenset({"seed"})),
+                    max_concurrency=1),
     limits=Limits(config_timeout_s=10, idle_timeout_s=30, stall_timeout_s=15, max_message_bytes=1024,
                   max_config_bytes=4096, max_utterance_chars=100, max_unit_chars=250, max_units_in_flight=2,
                   max_sessions=4, max_sessions_per_key=4, max_sessions_per_ip=4,
@@ -35,9 +37,6 @@ FACTS = ServerFacts(
     model_names=frozenset({"hibari", "tts-1"}),
     voice_aliases={"alloy": "heart"},
     languages=frozenset({"en", "english", "auto"}),
-    supports_instructions=False,
-    supports_seed=True,
-    supports_codec_chunking=False,
     voice_exists=lambda name: name == "uploaded",
 )
 

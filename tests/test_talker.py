@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import websockets
-from voicewire.adapters.base import SynthesisRequest
 from voicewire.adapters.talker import TalkerConfig, TalkerEngine, load_voices
 from voicewire.adapters.talker_codec import ChunkPolicy
 from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLES_PER_FRAME
 from voicewire.adapters.talker_testing import write_snac, write_talker
+from voicewire.protocol.engine import SynthesisRequest
 from voicewire.realtime.settings import Settings
 
 from tests.server import ServerThread
@@ -47,7 +47,7 @@ def talker_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerTh
 
 async def _wait_ready(server: ServerThread) -> None:
     async with asyncio.timeout(START_TIMEOUT_S):
-        while not server.ctx.ready:
+        while server.state.context is None:
             await asyncio.sleep(0.1)
 
 
@@ -197,7 +197,7 @@ async def test_voice_prompt_prefix_is_cached_per_voice_and_never_shared(talker_s
     async def cached_tokens(voice: str, index: int) -> int:
         before = eng.stats.cached_prompt_tokens
         request = SynthesisRequest(request_id=f"prefix-{voice}-{index}", text="Same words, same voice.",
-                                   voice=voice, seed=0, options={"max_new_tokens": 2 * CODES_PER_FRAME})
+                                   voice=voice, seed=0, max_new_tokens=2 * CODES_PER_FRAME)
         async for _ in eng.synthesize(request):
             pass
         return eng.stats.cached_prompt_tokens - before

@@ -11,7 +11,7 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
-from voicewire.realtime.encoders import make_encoder
+from voicewire.protocol.encoders import make_encoder
 from voicewire.realtime.settings import Settings
 from voicewire.realtime.voices import VoiceStore
 

@@ -1,18 +1,19 @@
-"""Streaming audio encoders for the REST speech endpoints: 16-bit PCM in, a file format out, chunk by chunk.
+"""The audio encoders, one family for the WebSocket and REST: 16-bit PCM in, a file format out, chunk by chunk.
 
-Every encoder takes little-endian s16 mono PCM at its `sample_rate` (what `UnitRenderer` makes for a
-`pcm` plan) through `encode(pcm)`, returns the bytes of the file that are ready now, and returns the rest
-from `finish()`. Concatenating every return value gives one complete, decodable file:
+Every encoder takes little-endian s16 mono PCM at its `sample_rate` (`protocol.audio.float_to_pcm16`)
+through `encode(pcm)`, returns the bytes of the file that are ready now, and returns the rest from
+`finish()`. Concatenating every return value gives one complete, decodable file. A WebSocket unit is
+encoded by its `UnitRenderer` (one file per unit), a REST response by one encoder over all its units' PCM.
 
-- `pcm`: the samples themselves (`audio/pcm`).
-- `wav`: a 44-byte header, then the samples. A streaming encoder writes the "unknown size" header
+- `pcm`, `mulaw`, `alaw`: the samples themselves (G.711 bit-exact, `protocol.audio.encode_pcm16`).
+- `wav`: a 44-byte header, then 16-bit samples. A streaming encoder writes the "unknown size" header
   (0xFFFFFFFF sizes, as OpenAI and vllm-omni stream WAV) before the first samples; a whole-file encoder
   holds the samples and writes the exact header in `finish()`.
 - `mp3` (LAME), `opus` (libopus in Ogg, pages flushed every 20 ms of audio) and `aac` (FFmpeg's native
   AAC-LC in ADTS): PyAV's encoders, streaming. The codec holds a frame or two (about 25-60 ms) of audio
   between calls, so output trails input by that much until `finish()` drains it.
-- `flac`: a whole file only, through libsndfile (`protocol.audio.encode_file`) in `finish()`; FLAC's
-  header holds the total length and a seek table, which a stream cannot know in advance.
+- `flac`: a whole file only, through libsndfile in `finish()`; FLAC's header holds the total length and
+  a seek table, which a stream cannot know in advance.
 
 Memory: the streaming encoders hold only their codec state; the whole-file ones (`flac`, whole `wav`)
 hold the utterance's PCM until `finish()`, bounded by the REST input cap. Encoders are not thread-safe
@@ -22,14 +23,18 @@ renders at that rate so no encoder ever resamples.
 
 from __future__ import annotations
 
+import io
 from typing import Final, Literal, Protocol, cast, get_args
 
 import av
 import numpy as np
+import soundfile as sf
 from av.audio.stream import AudioStream
 from av.container import OutputContainer
-from voicewire.protocol.audio import CONTENT_TYPES, codec_rate, encode_file, wav_header
+from voicewire.protocol.audio import CONTENT_TYPES, codec_rate, encode_pcm16, wav_header
 
+EncoderFormat = Literal["pcm", "wav", "mulaw", "alaw", "flac", "mp3", "opus", "aac"]
+"""Every format an encoder makes: the WebSocket's `AudioFormat` and REST's `RestFormat` together."""
 RestFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 REST_FORMATS: Final[tuple[str, ...]] = get_args(RestFormat)
 
@@ -54,7 +59,7 @@ _OGG_PAGE_US: Final = "20000"
 class StreamEncoder(Protocol):
     """Turns s16le mono PCM into one file of `format`; see the module docstring for the contract."""
 
-    format: RestFormat
+    format: EncoderFormat
     sample_rate: int
 
     def encode(self, pcm: bytes) -> bytes: ...
@@ -65,15 +70,16 @@ class StreamEncoder(Protocol):
         """Drop what is held without finishing the file (the response was abandoned); idempotent."""
 
 
-class PcmEncoder:
-    """Raw samples: the input passes through."""
+class RawEncoder:
+    """Headerless samples: s16 PCM passes through, `mulaw`/`alaw` are re-encoded sample by sample."""
 
-    def __init__(self, sample_rate: int) -> None:
-        self.format: RestFormat = "pcm"
+    def __init__(self, fmt: Literal["pcm", "mulaw", "alaw"], sample_rate: int) -> None:
+        self.format: EncoderFormat = fmt
+        self._raw = fmt
         self.sample_rate = sample_rate
 
     def encode(self, pcm: bytes) -> bytes:
-        return pcm
+        return encode_pcm16(pcm, self._raw)
 
     def finish(self) -> bytes:
         return b""
@@ -86,7 +92,7 @@ class WavEncoder:
     """WAV: streaming (unknown-size header first) or whole-file (exact header at `finish`)."""
 
     def __init__(self, sample_rate: int, *, streaming: bool) -> None:
-        self.format: RestFormat = "wav"
+        self.format: EncoderFormat = "wav"
         self.sample_rate = sample_rate
         self._streaming = streaming
         self._header_sent = False
@@ -116,7 +122,7 @@ class FlacEncoder:
     """FLAC through libsndfile, as one whole file at `finish`."""
 
     def __init__(self, sample_rate: int) -> None:
-        self.format: RestFormat = "flac"
+        self.format: EncoderFormat = "flac"
         self.sample_rate = sample_rate
         self._held: list[bytes] = []
 
@@ -125,9 +131,11 @@ class FlacEncoder:
         return b""
 
     def finish(self) -> bytes:
-        samples = np.frombuffer(b"".join(self._held), "<i2").astype(np.float32) / np.float32(32767.0)
+        samples = np.frombuffer(b"".join(self._held), "<i2")
         self._held.clear()
-        return encode_file(samples, self.sample_rate, "flac")
+        buffer = io.BytesIO()
+        sf.write(buffer, samples, self.sample_rate, format="FLAC", subtype="PCM_16")
+        return buffer.getvalue()
 
     def close(self) -> None:
         self._held.clear()
@@ -156,7 +164,7 @@ class PyAVEncoder:
     def __init__(self, fmt: Literal["mp3", "opus", "aac"], sample_rate: int) -> None:
         if codec_rate(fmt, sample_rate) != sample_rate:
             raise ValueError(f"{fmt} cannot code {sample_rate} Hz; use codec_rate()")
-        self.format: RestFormat = fmt
+        self.format: EncoderFormat = fmt
         self.sample_rate = sample_rate
         container_format, codec, bit_rate = _PYAV[fmt]
         self._sink = _Sink()
@@ -192,11 +200,11 @@ class PyAVEncoder:
             self._container.close()
 
 
-def make_encoder(fmt: RestFormat, sample_rate: int, *, streaming: bool) -> StreamEncoder:
+def make_encoder(fmt: EncoderFormat, sample_rate: int, *, streaming: bool) -> StreamEncoder:
     """An encoder for `fmt` at `sample_rate` (already a `codec_rate`). `streaming=False` only changes
     `wav` (exact header); `flac` is always whole-file and the PyAV formats always stream."""
-    if fmt == "pcm":
-        return PcmEncoder(sample_rate)
+    if fmt == "pcm" or fmt == "mulaw" or fmt == "alaw":
+        return RawEncoder(fmt, sample_rate)
     if fmt == "wav":
         return WavEncoder(sample_rate, streaming=streaming)
     if fmt == "flac":
