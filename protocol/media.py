@@ -84,8 +84,10 @@ CONTAINERS: Final = (
 _BY_NAME: Final = {c.name: c for c in CONTAINERS}
 ACCEPTED: Final = ", ".join(c.name for c in CONTAINERS)
 
-_DECODERS: Final = frozenset({"flac", "vorbis", "opus", "mp3float", "mp3", "aac", "aac_fixed", "alac"})
-"""Decoders allowed besides the PCM family (`pcm_*`, which covers mu-law and A-law)."""
+_DECODERS: Final = frozenset({"flac", "vorbis", "opus", "mp3float", "mp3", "aac", "aac_fixed", "alac",
+                               "adpcm_ima_wav", "adpcm_ms", "gsm_ms"})
+"""Decoders allowed besides the PCM family (`pcm_*`, which covers mu-law and A-law); the last three are
+the compressed WAV codings that voice recorders write."""
 _CODEC_WHITELIST: Final = ",".join(sorted(
     name for name in av.codecs_available if name in _DECODERS or name.startswith("pcm_")))
 _OPTIONS_BASE: Final = {"protocol_whitelist": "", "codec_whitelist": _CODEC_WHITELIST}
@@ -145,7 +147,8 @@ def _id3_length(data: bytes) -> int:
     return 10 + size + footer
 
 
-def decode_audio(data: bytes, *, max_bytes: int, max_seconds: float) -> DecodedAudio:
+def decode_audio(data: bytes, *, max_bytes: int, max_seconds: float,
+                 cpu_budget_s: float = DECODE_CPU_BUDGET_S) -> DecodedAudio:
     """Decode one untrusted audio file held in memory to mono float32 (see the module docstring for what
     is accepted and every bound), or raise `MediaError`. Opens nothing but `data`."""
     if len(data) > max_bytes:
@@ -154,13 +157,13 @@ def decode_audio(data: bytes, *, max_bytes: int, max_seconds: float) -> DecodedA
     if container is None:
         raise _not_audio()
     try:
-        return _decode(data, container, max_seconds)
+        return _decode(data, container, max_seconds, cpu_budget_s)
     except (av.FFmpegError, ValueError, OverflowError):
         raise _not_audio() from None
 
 
-def _decode(data: bytes, container: Container, max_seconds: float) -> DecodedAudio:
-    cpu_deadline = time.thread_time() + DECODE_CPU_BUDGET_S
+def _decode(data: bytes, container: Container, max_seconds: float, cpu_budget_s: float) -> DecodedAudio:
+    cpu_deadline = time.thread_time() + cpu_budget_s
     options = {**_OPTIONS_BASE, "format_whitelist": container.demuxer}
     with av.open(io.BytesIO(data), mode="r", format=container.demuxer, container_options=options,
                  metadata_errors="ignore") as source:
@@ -177,7 +180,7 @@ def _decode(data: bytes, container: Container, max_seconds: float) -> DecodedAud
         seconds = 0.0
         for packet in source.demux(stream):
             if time.thread_time() > cpu_deadline:
-                raise MediaError("invalid_audio", f"took more than {DECODE_CPU_BUDGET_S:g} s of CPU to decode")
+                raise MediaError("invalid_audio", f"took more than {cpu_budget_s:g} s of CPU to decode")
             for frame in stream.decode(packet):
                 _check_frame(frame.sample_rate, frame.layout.nb_channels)
                 seconds += frame.samples / frame.sample_rate

@@ -4,21 +4,25 @@ no file, stores nothing, and leaves the server serving."""
 
 from __future__ import annotations
 
+import asyncio
 import io
-import os
+import signal
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import numpy as np
 import pytest
 import soundfile as sf
+from voicewire.protocol.media import MAX_OUTPUT_RATE
+from voicewire.realtime.voices import MAX_SECONDS
 
 from tests.server import ServerThread, free_port
+from tests.test_voice_store_crash import start, wait_ready
 from tests.test_voices import VOICES, on_disk, settings_for, upload, wav_bytes
 
 
@@ -32,6 +36,12 @@ def flac_silence(seconds: float, rate: int, channels: int) -> bytes:
         for _ in range(whole):
             f.write(block)
         f.write(block[: int((seconds - whole) * rate)])
+    return buffer.getvalue()
+
+
+def wav_silence(seconds: float, rate: int, channels: int) -> bytes:
+    buffer = io.BytesIO()
+    sf.write(buffer, np.zeros((int(seconds * rate), channels), np.int16), rate, format="WAV", subtype="PCM_16")
     return buffer.getvalue()
 
 
@@ -157,3 +167,124 @@ def test_a_description_format_is_refused_without_opening_anything(
     assert not net.udp_bound, "the server bound a UDP port named in an upload"
     assert on_disk(voices_dir) == []
     assert httpx.get(voice_server.http_url + VOICES).json()["uploaded_voices"] == []
+
+
+def vm_hwm_bytes(pid: int) -> int:
+    """Peak resident memory of a process so far (VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+async def post_sample(session: aiohttp.ClientSession, base: str, name: str, sample: bytes) -> tuple[int, str]:
+    form = aiohttp.FormData()
+    form.add_field("name", name)
+    form.add_field("consent", "mine")
+    form.add_field("audio_sample", sample, filename="sample.flac", content_type="audio/flac")
+    async with session.post(f"{base}/v1/audio/voices", data=form) as resp:
+        return resp.status, (await resp.json())["error"]["code"] if resp.status != 200 else ""
+
+
+STORED_CAP = int(MAX_SECONDS * MAX_OUTPUT_RATE * 4) + 64 * 1024
+"""The most bytes one stored voice takes: 30 s of mono float32 at 48 kHz, plus the header."""
+
+
+async def test_decompression_bombs_are_bounded_while_decoding(tmp_path: Path) -> None:
+    """Four 45 KB files that each decode to 45 M samples (29 s, 8 channels, 192 kHz) and one 20-minute
+    file at once: the server's peak memory grows by tens of MB, not the gigabytes a full decode takes;
+    what is stored is mono at 48 kHz at most; the long one is refused; the server keeps serving."""
+    voices = tmp_path / "voices"
+    wide = flac_silence(29.0, 192_000, 8)
+    long = flac_silence(20 * 60, 48_000, 1)
+    assert len(wide) < 100_000 and len(long) < 300_000
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start(voices, port)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, base)
+            before = vm_hwm_bytes(proc.pid)
+            results = await asyncio.gather(*(post_sample(session, base, f"wide{i}", wide) for i in range(4)),
+                                           post_sample(session, base, "long", long))
+            grown = vm_hwm_bytes(proc.pid) - before
+            async with session.get(f"{base}/v1/audio/voices") as resp:
+                listed = sorted(v["name"] for v in (await resp.json())["uploaded_voices"])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert results == [(200, "")] * 4 + [(400, "invalid_audio_duration")]
+    assert listed == [f"wide{i}" for i in range(4)]
+    assert grown < 150 * 2**20, f"peak memory grew by {grown / 2**20:.0f} MiB"
+    for path in voices.iterdir():
+        assert path.stat().st_size <= STORED_CAP, path
+
+
+@pytest.mark.parametrize(("case", "sample", "message"), [
+    ("sample rate over the cap", flac_silence(2.0, 384_000, 1), "sample rate of 384000 Hz"),
+    ("too many channels", wav_silence(1.5, 8000, 16), "16 channels"),
+])
+def test_audio_outside_the_published_bounds_is_refused(voice_server: ServerThread, voices_dir: Path, case: str,
+                                                       sample: bytes, message: str) -> None:
+    response = upload(voice_server, "bounded", sample)
+    assert response.status_code == 400, case
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_audio", "audio_sample") and message in error["message"]
+    assert on_disk(voices_dir) == []
+
+
+def test_the_stored_type_is_the_detected_one_not_the_claimed_one(voice_server: ServerThread) -> None:
+    response = upload(voice_server, "typed", wav_bytes(1.5), mime="text/html<script>alert(1)</script>")
+    assert response.status_code == 200, response.text
+    assert response.json()["voice"]["mime_type"] == "audio/wav"
+    listing = httpx.get(voice_server.http_url + VOICES).json()
+    assert [v["mime_type"] for v in listing["uploaded_voices"]] == ["audio/wav"]
+
+
+def test_unknown_form_parts_are_bounded(voice_server: ServerThread, voices_dir: Path) -> None:
+    big = httpx.post(voice_server.http_url + VOICES, timeout=60,
+                     files={"audio_sample": ("s.wav", wav_bytes(1.5), "audio/wav"),
+                            "padding": ("p.bin", b"\x00" * (4 * 2**20), "application/octet-stream")},
+                     data={"name": "padded", "consent": "mine"})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "upload_too_large", big.text
+    many = httpx.post(voice_server.http_url + VOICES, timeout=60,
+                      files=[("audio_sample", ("s.wav", wav_bytes(1.5), "audio/wav")),
+                             *((f"extra{i}", (None, "x")) for i in range(100))],
+                      data={"name": "padded", "consent": "mine"})
+    assert many.status_code == 413 and many.json()["error"]["code"] == "upload_too_large", many.text
+    assert on_disk(voices_dir) == []
+    ok = upload(voice_server, "padded", wav_bytes(1.5), note="an unknown small field is ignored")
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 128 KiB tmpfs: room for one 1.2 s voice at 16 kHz (77 KB), not for a 3 s one (192 KB)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mount)],
+                          capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_is_a_507_that_leaves_nothing_and_keeps_serving(small_disk: Path) -> None:
+    srv = ServerThread(settings_for(small_disk))
+    try:
+        full = upload(srv, "too_big", wav_bytes(3.0))
+        assert full.status_code == 507, full.text
+        error = full.json()["error"]
+        assert (error["type"], error["code"]) == ("server_error", "insufficient_storage")
+        assert on_disk(small_disk) == []
+        assert httpx.get(srv.http_url + VOICES).json()["uploaded_voices"] == []
+        fits = upload(srv, "fits", wav_bytes(1.2))
+        assert fits.status_code == 200, fits.text
+        assert on_disk(small_disk) == ["fits.safetensors"]
+        assert httpx.get(srv.http_url + "/health").status_code == 200
+    finally:
+        srv.stop()
