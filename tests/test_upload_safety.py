@@ -18,8 +18,10 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
+from safetensors import safe_open
+from safetensors.numpy import save as safetensors_bytes
 from voicewire.protocol.media import MAX_OUTPUT_RATE
-from voicewire.realtime.voices import MAX_SECONDS
+from voicewire.realtime.voices import MAX_SECONDS, VoiceStore
 
 from tests.server import ServerThread, free_port
 from tests.test_voice_store_crash import start, wait_ready
@@ -288,3 +290,18 @@ def test_a_full_disk_is_a_507_that_leaves_nothing_and_keeps_serving(small_disk: 
         assert httpx.get(srv.http_url + "/health").status_code == 200
     finally:
         srv.stop()
+
+
+async def test_a_stored_claimed_type_reads_back_as_unknown(voices_dir: Path) -> None:
+    """Voices stored before types were detected hold the client's string; it is never listed again."""
+    store = VoiceStore(voices_dir, max_voices=5, max_upload_bytes=2**20)
+    record = await store.add(name="old", sample=wav_bytes(1.5), consent="yes", ref_text=None,
+                             speaker_description=None, reserved=())
+    header = {**record.header(), "mime_type": "text/html<script>alert(1)</script>"}
+    path = voices_dir / "old.safetensors"
+    with safe_open(str(path), framework="numpy") as f:
+        audio = f.get_tensor("audio")
+    path.write_bytes(safetensors_bytes({"audio": audio}, metadata=header))
+    restored = VoiceStore(voices_dir, max_voices=5, max_upload_bytes=2**20)
+    await restored.restore()
+    assert [r.mime_type for r in restored.records()] == ["application/octet-stream"]
