@@ -90,7 +90,11 @@ _DECODERS: Final = frozenset({"flac", "vorbis", "opus", "mp3float", "mp3", "aac"
 the compressed WAV codings that voice recorders write."""
 _CODEC_WHITELIST: Final = ",".join(sorted(
     name for name in av.codecs_available if name in _DECODERS or name.startswith("pcm_")))
-_OPTIONS_BASE: Final = {"protocol_whitelist": "", "codec_whitelist": _CODEC_WHITELIST}
+_PROBE_BYTES: Final = 32 * 1024
+"""How much input FFmpeg may read and decode while opening, to learn the stream's parameters (its
+default, 5 MB, meant decoding most uploads twice, once of them unbounded by our checks)."""
+_OPTIONS_BASE: Final = {"protocol_whitelist": "", "codec_whitelist": _CODEC_WHITELIST,
+                        "probesize": str(_PROBE_BYTES)}
 
 
 class MediaError(Exception):
