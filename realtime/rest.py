@@ -9,7 +9,8 @@
 
 Every error is OpenAI's `{"error": {...}}` (`realtime.openai_errors`). Bounds: at most
 `max_rest_requests` speech/batch requests synthesize at once (503 past it); a speech body is capped by the
-app's `client_max_size`, an upload by `max_voice_upload_bytes` (413), a batch by `batch_max_items`.
+app's `client_max_size`, an upload's sample by `max_voice_upload_bytes` and its other parts by
+`MAX_FORM_FIELD_BYTES` and `MAX_FORM_PARTS` (413), a batch by `batch_max_items`.
 A client that disconnects cancels its request (the server runs with aiohttp handler cancellation), which
 cancels the request's unit tasks and so the engine's work, for streamed and whole-body responses alike.
 """
@@ -48,6 +49,7 @@ from voicewire.realtime.voices import VoiceStoreError
 log = logging.getLogger("voicewire.rest")
 
 MAX_FORM_FIELD_BYTES: Final = 16 * 1024
+MAX_FORM_PARTS: Final = 16
 WORD_TIMESTAMPS_HEADER_LIMIT: Final = 4096
 """Past this many bytes the words are left out and `X-Word-Timestamps-Omitted` says why (vllm-omni)."""
 _VOICE_TEXT_FIELDS: Final = ("name", "consent", "ref_text", "speaker_description")
@@ -332,11 +334,12 @@ async def list_voices(request: web.Request) -> web.Response:
 
 async def upload_voice(request: web.Request) -> web.Response:
     """`POST /v1/audio/voices` (multipart: `audio_sample`, `consent`, `name`, optional `ref_text`,
-    `speaker_description`). Nothing is stored unless every check passes."""
+    `speaker_description`). Nothing is stored unless every check passes; the voice's `mime_type` is the
+    type detected from the sample's bytes (a part's own Content-Type is ignored)."""
     ctx = _serving(request.app[REST])
     facts = ctx.facts
     store = ctx.voices
-    fields, sample, mime_type = await _read_voice_form(request, store.max_upload_bytes)
+    fields, sample = await _read_voice_form(request, store.max_upload_bytes)
     for required in ("name", "consent"):
         if not fields.get(required, "").strip():
             raise bad_request(f"{required} is required", required, "missing_field")
@@ -344,7 +347,7 @@ async def upload_voice(request: web.Request) -> web.Response:
         raise bad_request("audio_sample (a file part) is required", "audio_sample", "missing_field")
     try:
         record = await store.add(
-            name=fields["name"], sample=sample, consent=fields["consent"], mime_type=mime_type,
+            name=fields["name"], sample=sample, consent=fields["consent"],
             ref_text=fields.get("ref_text"), speaker_description=fields.get("speaker_description"),
             reserved=(*facts.engine.voices, *facts.voice_aliases))
     except VoiceStoreError as exc:
@@ -352,19 +355,24 @@ async def upload_voice(request: web.Request) -> web.Response:
     return web.json_response({"success": True, "voice": record.public()})
 
 
-async def _read_voice_form(request: web.Request, max_sample_bytes: int) -> tuple[dict[str, str], bytes | None, str]:
+async def _read_voice_form(request: web.Request, max_sample_bytes: int) -> tuple[dict[str, str], bytes | None]:
+    """The text fields and the sample of an upload form. Every part is read under a cap (the sample under
+    `max_sample_bytes`, any other part, known or not, under `MAX_FORM_FIELD_BYTES`; 413 past it), and a
+    form has at most `MAX_FORM_PARTS` parts (413), so the whole body read is bounded."""
     if not request.content_type.startswith("multipart/"):
         raise bad_request("Upload voices as multipart/form-data", None, "invalid_content_type")
     reader = await request.multipart()
     fields: dict[str, str] = {}
     sample: bytes | None = None
-    mime_type = "application/octet-stream"
+    parts = 0
     while (part := await reader.next()) is not None:
+        parts += 1
+        if parts > MAX_FORM_PARTS:
+            raise OpenAIError(413, f"An upload form has at most {MAX_FORM_PARTS} parts", code="upload_too_large")
         if not isinstance(part, BodyPartReader):
             raise bad_request("Nested multipart bodies are not accepted", None, "invalid_content_type")
         if part.name == "audio_sample":
             sample = await _read_part(part, max_sample_bytes, "audio_sample")
-            mime_type = part.headers.get(hdrs.CONTENT_TYPE, mime_type)
         elif part.name in _VOICE_TEXT_FIELDS:
             raw = await _read_part(part, MAX_FORM_FIELD_BYTES, part.name)
             try:
@@ -372,16 +380,18 @@ async def _read_voice_form(request: web.Request, max_sample_bytes: int) -> tuple
             except UnicodeDecodeError:
                 raise bad_request(f"{part.name} must be UTF-8 text", part.name) from None
         else:
-            await part.release()
-    return fields, sample, mime_type
+            await _read_part(part, MAX_FORM_FIELD_BYTES, None)
+    return fields, sample
 
 
-async def _read_part(part: BodyPartReader, limit: int, param: str) -> bytes:
+async def _read_part(part: BodyPartReader, limit: int, param: str | None) -> bytes:
+    """A part's bytes, or 413 as soon as it passes `limit` (an unknown part has no `param`)."""
     data = bytearray()
     while chunk := await part.read_chunk(64 * 1024):
         data += chunk
         if len(data) > limit:
-            raise OpenAIError(413, f"{param} is larger than {limit} bytes", code="upload_too_large", param=param)
+            what = param or "a form part"
+            raise OpenAIError(413, f"{what} is larger than {limit} bytes", code="upload_too_large", param=param)
     return bytes(data)
 
 

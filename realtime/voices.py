@@ -9,9 +9,13 @@ worst a hidden `.*.tmp` file, which the next start deletes and never registers.
 
 Validation before anything is written: the name (1-64 of `A-Z a-z 0-9 _ -`, starting with a letter or
 digit, so no path separators, dots or traversal; not an engine voice or alias), consent (non-empty), the
-upload size (`max_upload_bytes`), the audio (decodes with libsndfile, or FFmpeg through PyAV for
-aac/m4a/webm; finite samples; 1-30 s long, checked before the whole file is decoded so a small file
-cannot expand into hours of audio) and the number of voices (`max_voices`).
+upload size (`max_upload_bytes`), the audio (decoded by `protocol.media.decode_audio`: an allowlisted
+container sniffed from its bytes, from memory, no file or network ever opened, stopped as soon as it
+passes 30 s; finite samples; at least 1 s) and the number of voices (`max_voices`). The stored media type
+is the detected container's, never the type the client claimed.
+
+A full disk (ENOSPC, EDQUOT) while writing is a `VoiceStoreError` 507 (`insufficient_storage`); the
+temporary file is removed and the store carries on with the voices it had.
 
 Concurrency: `add` and `remove` run under one asyncio lock; disk work runs in a worker thread. Lookups
 (`__contains__`, `get`) read an in-memory dict and are safe from any task. Memory: metadata only; the
@@ -21,7 +25,7 @@ audio is read back from disk by `load_audio` when an engine needs it.
 from __future__ import annotations
 
 import asyncio
-import io
+import errno
 import logging
 import os
 import re
@@ -32,12 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-import av
 import numpy as np
-import soundfile as sf
 from safetensors import safe_open
 from safetensors.numpy import save as safetensors_bytes
 from voicewire.protocol.engine import FloatAudio
+from voicewire.protocol.media import CONTAINERS, MediaError, decode_audio
 
 log = logging.getLogger("voicewire.voices")
 
@@ -47,10 +50,12 @@ MAX_SECONDS: Final = 30.0
 FORMAT_VERSION: Final = "1"
 _SUFFIX: Final = ".safetensors"
 _TMP_SUFFIX: Final = ".tmp"
+_MIME_TYPES: Final = frozenset(c.mime_type for c in CONTAINERS)
+_UNKNOWN_MIME: Final = "application/octet-stream"
 
 
 class VoiceStoreError(Exception):
-    """A refused voice operation: `status` (400, 404, 413), the offending form field `param`, a stable
+    """A refused voice operation: `status` (400, 404, 413, 507), the offending form field `param`, a stable
     `code`, and a message for humans."""
 
     def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
@@ -102,12 +107,15 @@ class VoiceRecord:
 
     @classmethod
     def from_header(cls, meta: dict[str, str]) -> VoiceRecord:
-        """Inverse of `header`; raises KeyError/ValueError on a file that is not a voice of this format."""
+        """Inverse of `header`; raises KeyError/ValueError on a file that is not a voice of this format.
+        A media type that is not one the decoder detects (files stored before types were detected held
+        the client's string) reads as `application/octet-stream`."""
         if meta.get("format") != "voicewire.voice" or meta.get("version") != FORMAT_VERSION:
             raise ValueError("not a voicewire voice file of a known version")
+        mime_type = meta["mime_type"] if meta["mime_type"] in _MIME_TYPES else _UNKNOWN_MIME
         return cls(name=meta["name"], consent=meta["consent"], created_at=int(meta["created_at"]),
                    sample_rate=int(meta["sample_rate"]), duration_s=float(meta["duration_s"]),
-                   file_size=int(meta["file_size"]), mime_type=meta["mime_type"],
+                   file_size=int(meta["file_size"]), mime_type=mime_type,
                    ref_text=meta.get("ref_text"), speaker_description=meta.get("speaker_description"))
 
 
@@ -128,54 +136,22 @@ def check_name(name: str, reserved: Collection[str]) -> None:
                               f"voice name {name!r} is a built-in voice or alias; choose another name", "name")
 
 
-def decode_sample(data: bytes, *, max_seconds: float = MAX_SECONDS) -> tuple[FloatAudio, int]:
-    """Decode an uploaded sample to mono float32 and its rate, or raise `VoiceStoreError` (400,
-    `audio_sample`). Stops decoding as soon as the audio is known to exceed `max_seconds`."""
+def decode_sample(data: bytes, *, max_bytes: int, max_seconds: float = MAX_SECONDS) -> tuple[FloatAudio, int, str]:
+    """Decode an uploaded sample (`protocol.media.decode_audio`) to mono float32, its rate and its
+    detected media type, or raise `VoiceStoreError` (param `audio_sample`): 413 past `max_bytes`, 400
+    for anything else refused, non-finite samples, or under `MIN_SECONDS`."""
     try:
-        with sf.SoundFile(io.BytesIO(data)) as f:
-            rate = int(f.samplerate)
-            if f.frames > max_seconds * rate:
-                raise _too_long(f.frames / rate, max_seconds)
-            samples = f.read(dtype="float32", always_2d=True)
-    except sf.LibsndfileError:
-        return _decode_with_ffmpeg(data, max_seconds)
-    return np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32), rate
-
-
-def _decode_with_ffmpeg(data: bytes, max_seconds: float) -> tuple[FloatAudio, int]:
-    try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.audio:
-                raise _not_audio()
-            stream = container.streams.audio[0]
-            rate = int(stream.rate or 0)
-            if rate <= 0:
-                raise _not_audio()
-            resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
-            parts: list[FloatAudio] = []
-            total = 0
-            for frame in container.decode(stream):
-                for out in resampler.resample(frame):
-                    chunk = out.to_ndarray().reshape(-1).astype(np.float32)
-                    parts.append(chunk)
-                    total += len(chunk)
-                if total > max_seconds * rate:
-                    raise _too_long(total / rate, max_seconds)
-    except av.FFmpegError:
-        raise _not_audio() from None
-    if not total:
-        raise _not_audio()
-    return np.concatenate(parts), rate
-
-
-def _not_audio() -> VoiceStoreError:
-    return VoiceStoreError(400, "invalid_audio", "audio_sample could not be decoded as audio "
-                           "(accepted: wav, flac, ogg, mp3, aac, m4a, webm)", "audio_sample")
-
-
-def _too_long(seconds: float, limit: float) -> VoiceStoreError:
-    return VoiceStoreError(400, "invalid_audio_duration",
-                           f"audio_sample is longer than {limit:g} s ({seconds:.1f} s)", "audio_sample")
+        decoded = decode_audio(data, max_bytes=max_bytes, max_seconds=max_seconds)
+    except MediaError as exc:
+        status = 413 if exc.code == "upload_too_large" else 400
+        raise VoiceStoreError(status, exc.code, f"audio_sample {exc.message}", "audio_sample") from None
+    if not np.isfinite(decoded.samples).all():
+        raise VoiceStoreError(400, "invalid_audio", "audio_sample holds non-finite samples", "audio_sample")
+    if decoded.duration_s < MIN_SECONDS:
+        raise VoiceStoreError(400, "invalid_audio_duration",
+                              f"audio_sample is shorter than {MIN_SECONDS:g} s ({decoded.duration_s:.2f} s)",
+                              "audio_sample")
+    return decoded.samples, decoded.sample_rate, decoded.container.mime_type
 
 
 class VoiceStore:
@@ -228,7 +204,7 @@ class VoiceStore:
             found[record.name] = record
         return found
 
-    async def add(self, *, name: str, sample: bytes, consent: str, mime_type: str, ref_text: str | None,
+    async def add(self, *, name: str, sample: bytes, consent: str, ref_text: str | None,
                   speaker_description: str | None, reserved: Collection[str]) -> VoiceRecord:
         """Validate and store one voice (replacing one of the same name); returns its record.
 
@@ -237,19 +213,9 @@ class VoiceStore:
         check_name(name, reserved)
         if not consent.strip():
             raise VoiceStoreError(400, "consent_required", "consent is required to store a voice", "consent")
-        if len(sample) > self.max_upload_bytes:
-            raise VoiceStoreError(413, "upload_too_large",
-                                  f"audio_sample is larger than {self.max_upload_bytes} bytes", "audio_sample")
-        audio, rate = await asyncio.to_thread(decode_sample, sample)
-        duration = len(audio) / rate
-        if not np.isfinite(audio).all():
-            raise VoiceStoreError(400, "invalid_audio", "audio_sample holds non-finite samples", "audio_sample")
-        if duration < MIN_SECONDS:
-            raise VoiceStoreError(400, "invalid_audio_duration",
-                                  f"audio_sample is shorter than {MIN_SECONDS:g} s ({duration:.2f} s)",
-                                  "audio_sample")
+        audio, rate, mime_type = await asyncio.to_thread(decode_sample, sample, max_bytes=self.max_upload_bytes)
         record = VoiceRecord(name=name, consent=consent, created_at=int(time.time()), sample_rate=rate,
-                             duration_s=duration, file_size=len(sample), mime_type=mime_type,
+                             duration_s=len(audio) / rate, file_size=len(sample), mime_type=mime_type,
                              ref_text=ref_text or None, speaker_description=speaker_description or None)
         async with self._lock:
             if name not in self._voices and len(self._voices) >= self.max_voices:
@@ -278,18 +244,25 @@ class VoiceStore:
         return self.directory / f"{name}{_SUFFIX}"
 
     def _write(self, record: VoiceRecord, audio: FloatAudio) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
         data = safetensors_bytes({"audio": np.ascontiguousarray(audio, dtype=np.float32)},
                                  metadata=record.header())
-        fd, tmp = tempfile.mkstemp(prefix=f".{record.name}.", suffix=_TMP_SUFFIX, dir=self.directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{record.name}.", suffix=_TMP_SUFFIX, dir=self.directory)
+        except OSError as exc:
+            if _out_of_space(exc):
+                raise _insufficient_storage() from exc
+            raise
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self._path(record.name))
-        except BaseException:
+        except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
+            if _out_of_space(exc):
+                raise _insufficient_storage() from exc
             raise
         self._fsync_directory()
 
@@ -303,3 +276,13 @@ class VoiceStore:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _insufficient_storage() -> VoiceStoreError:
+    log.error("a voice upload was refused: the voices directory is out of space")
+    return VoiceStoreError(507, "insufficient_storage",
+                           "the server has no room left to store this voice; try again later")

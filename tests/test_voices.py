@@ -170,7 +170,7 @@ def test_the_number_of_voices_is_capped(voice_server: ServerThread, voices_dir: 
 
 async def test_restore_drops_interrupted_uploads_and_unreadable_files(voices_dir: Path) -> None:
     store = VoiceStore(voices_dir, max_voices=5, max_upload_bytes=UPLOAD_CAP)
-    await store.add(name="kept", sample=wav_bytes(1.5), consent="yes", mime_type="audio/wav", ref_text=None,
+    await store.add(name="kept", sample=wav_bytes(1.5), consent="yes", ref_text=None,
                     speaker_description=None, reserved=())
     (voices_dir / ".crashed.x1y2.tmp").write_bytes(b"half a voice")
     (voices_dir / "broken.safetensors").write_bytes(b"\x00" * 64)
