@@ -56,8 +56,10 @@ class Admission:
         return None if speed is None else self.utilization * slots * speed
 
     def admits(self, speaking: int, slots: int) -> bool:
-        """Whether one more session fits beside `speaking` streams on `slots` engine slots."""
-        if self.utilization <= 0:
+        """Whether one more session fits beside `speaking` streams on `slots` engine slots. An idle server
+        always admits one: a measured speed dragged down by units that failed without audio (a timeout, a
+        dead worker) must not lock out every session."""
+        if self.utilization <= 0 or speaking == 0:
             return True
         capacity = self.capacity(slots)
         return capacity is None or speaking + 1 <= capacity
