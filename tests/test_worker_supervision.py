@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import websockets
 from voicewire.adapters.workers import PoolHealth, ProcessEngine, WorkerStats, WorkerTimings
 from voicewire.realtime.settings import Settings
@@ -31,9 +32,19 @@ QUICK = WorkerTimings(heartbeat_s=0.2, hang_s=3.0, backoff_s=0.1, backoff_max_s=
 stable, so deaths in a row add up."""
 
 
+_EARLIER: set[int] = set()
+"""Child processes that existed when the current test began (other suites' servers, engines, browsers)."""
+
+
+@pytest.fixture(autouse=True)
+def _earlier_children() -> None:
+    _EARLIER.clear()
+    _EARLIER.update(children())
+
+
 def children() -> dict[int, str]:
-    """This process's child processes (pid -> state letter, `Z` for exited but not reaped), from /proc;
-    multiprocessing's resource tracker (one for the whole run) left out."""
+    """This process's child processes started during the current test (pid -> state letter, `Z` for exited
+    but not reaped), from /proc; multiprocessing's resource tracker (one for the whole run) left out."""
     me = os.getpid()
     found = {}
     for entry in os.listdir("/proc"):
@@ -45,7 +56,7 @@ def children() -> dict[int, str]:
         except OSError:
             continue
         state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == me and b"resource_tracker" not in cmdline:
+        if int(ppid) == me and b"resource_tracker" not in cmdline and int(entry) not in _EARLIER:
             found[int(entry)] = state
     return found
 
