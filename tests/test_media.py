@@ -11,6 +11,7 @@ import av
 import numpy as np
 import pytest
 import soundfile as sf
+from voicewire.protocol.encoders import make_encoder
 from voicewire.protocol.media import (
     MAX_OUTPUT_RATE,
     MediaError,
@@ -18,7 +19,6 @@ from voicewire.protocol.media import (
     decode_audio,
     sniff_container,
 )
-from voicewire.realtime.encoders import make_encoder
 
 from tests.rest_audio import pcm16, tone
 from tests.test_upload_safety import HOSTILE, Loopback, flac_silence
