@@ -16,6 +16,12 @@ terminated job skips its DSP. The DSP of a chunk (about a quarter of its compute
 
 Memory per request: the unit's phoneme strings and at most two chunks of audio (one being yielded, one
 being computed); a chunk holds at most 400 phonemes, about 25 s of audio (2.4 MB of float32).
+
+Text cost: hibari's G2P reads a run of characters without whitespace as one word made of sub-tokens and
+tries every span of them against its lexicon, cubic in their number ("ab-ab-ab-...", 84 pieces, took
+seconds), and its number reader fails past 36 digits. So the engine splits every such run longer than
+`MAX_TOKEN_CHARS` (after a hyphen, slash or other non-alphanumeric character when it can, else hard) before
+G2P sees it; word spans still index the text as sent.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 import onnx
 import onnxruntime as ort
+from voicewire.adapters.base import RequestCounts, counted_outcome
 from voicewire.protocol.engine import (
     AudioPiece,
     EngineCapabilities,
@@ -59,6 +66,10 @@ _PHONEME_WORD = re.compile(r"[^ ]+")
 _TEXT_WORD = re.compile(r"\S+")
 _LIMIT_CEILING = 0.98
 _LIMIT_KNEE = 0.8
+MAX_TOKEN_CHARS = 32
+"""Longest run without whitespace G2P reads as one word: longer than English words, short enough that
+the cubic sub-token search stays in the milliseconds and a digit run stays within the number reader."""
+_LONG_TOKEN = re.compile(rf"\S{{{MAX_TOKEN_CHARS + 1},}}")
 
 
 class _G2P(Protocol):
@@ -85,19 +96,14 @@ _Synth = Callable[..., FloatAudio]
 
 
 @dataclass(frozen=True, slots=True)
-class HibariStats:
+class HibariStats(RequestCounts):
     """A snapshot of the engine's counters since `start()`.
 
-    Requests: `started` counts requests that began, and each ends as exactly one of `completed` (all audio
-    yielded, or nothing to say), `cancelled` (iterator closed or consumer cancelled first) or `failed`.
+    Requests by outcome as `RequestCounts` says (`completed` also when there was nothing to say).
     `runs_in_flight` is the number of chunk jobs executing in worker threads right now. The seconds are
     summed over finished chunk jobs: model (onnxruntime) time, host DSP time, and audio produced.
     """
 
-    started: int = 0
-    completed: int = 0
-    cancelled: int = 0
-    failed: int = 0
     runs_in_flight: int = 0
     model_seconds: float = 0.0
     dsp_seconds: float = 0.0
@@ -160,6 +166,38 @@ def _text_words(text: str, start: int, end: int) -> list[tuple[int, int, str]]:
         else:
             words.append((match.start(), match.end(), raw))
     return words
+
+
+def phonemizer_text(text: str) -> tuple[str, list[int] | None]:
+    """`text` as G2P gets it: every run without whitespace longer than `MAX_TOKEN_CHARS` cut into pieces of
+    at most that many characters by inserted spaces, each cut after the last non-alphanumeric character in
+    the second half of its piece when there is one. Also, for each character of the result, its index in
+    `text` (an inserted space gets the index of the character before it); None when nothing was cut."""
+    if _LONG_TOKEN.search(text) is None:
+        return text, None
+    pieces: list[str] = []
+    origin: list[int] = []
+    done = 0
+    for match in _LONG_TOKEN.finditer(text):
+        pieces.append(text[done : match.start()])
+        origin.extend(range(done, match.start()))
+        start, end = match.span()
+        while start < end:
+            cut = min(start + MAX_TOKEN_CHARS, end)
+            if cut < end:
+                joint = next((i + 1 for i in range(cut - 1, start + MAX_TOKEN_CHARS // 2 - 1, -1)
+                              if not text[i].isalnum()), cut)
+                cut = joint
+            if start > match.start():
+                pieces.append(" ")
+                origin.append(start - 1)
+            pieces.append(text[start:cut])
+            origin.extend(range(start, cut))
+            start = cut
+        done = end
+    pieces.append(text[done:])
+    origin.extend(range(done, len(text)))
+    return "".join(pieces), origin
 
 
 def _soft_limit(samples: FloatAudio, gain: float) -> FloatAudio:
@@ -291,53 +329,46 @@ class HibariEngine:
         executor = self._require_executor()
         loop = asyncio.get_running_loop()
         self._count(started=1)
-        outcome = "cancelled"
         pending: tuple[asyncio.Future[_Rendered | None], ort.RunOptions] | None = None
-        try:
-            plan = await loop.run_in_executor(executor, self._plan, request.text)
-            rng = np.random.default_rng(request.seed)
+        with counted_outcome(lambda outcome: self._count(**{outcome: 1})):
+            try:
+                plan = await loop.run_in_executor(executor, self._plan, request.text)
+                rng = np.random.default_rng(request.seed)
 
-            def submit(index: int) -> tuple[asyncio.Future[_Rendered | None], ort.RunOptions]:
-                options = ort.RunOptions()
-                job = loop.run_in_executor(
-                    executor, self._render, plan.chunks[index], request.speed, rng, options
-                )
-                return job, options
+                def submit(index: int) -> tuple[asyncio.Future[_Rendered | None], ort.RunOptions]:
+                    options = ort.RunOptions()
+                    job = loop.run_in_executor(
+                        executor, self._render, plan.chunks[index], request.speed, rng, options
+                    )
+                    return job, options
 
-            if plan.chunks:
-                pending = submit(0)
-            chunk_offsets: list[int] = []
-            word_samples: list[tuple[tuple[int, int], ...]] = []
-            next_word = 0
-            offset = 0
-            for index in range(len(plan.chunks)):
-                assert pending is not None
-                rendered = await pending[0]
-                pending = submit(index + 1) if index + 1 < len(plan.chunks) else None
-                if rendered is None:
-                    raise RuntimeError("hibari: model run was terminated")
-                chunk_offsets.append(offset)
-                word_samples.append(rendered.word_samples)
-                spans = []
-                while next_word < len(plan.words) and plan.words[next_word].last[0] == index:
-                    word = plan.words[next_word]
-                    (first_chunk, first_pw), (last_chunk, last_pw) = word.first, word.last
-                    start = chunk_offsets[first_chunk] + word_samples[first_chunk][first_pw][0]
-                    end = chunk_offsets[last_chunk] + word_samples[last_chunk][last_pw][1]
-                    spans.append(WordSpan(word.char_start, word.char_end, start, max(start, end)))
-                    next_word += 1
-                offset += len(rendered.samples)
-                yield AudioPiece(rendered.samples, SAMPLE_RATE, tuple(spans))
-            outcome = "completed"
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except BaseException:
-            outcome = "failed"
-            raise
-        finally:
-            if pending is not None:
-                pending[1].terminate = True
-            self._count(**{outcome: 1})
+                if plan.chunks:
+                    pending = submit(0)
+                chunk_offsets: list[int] = []
+                word_samples: list[tuple[tuple[int, int], ...]] = []
+                next_word = 0
+                offset = 0
+                for index in range(len(plan.chunks)):
+                    assert pending is not None
+                    rendered = await pending[0]
+                    pending = submit(index + 1) if index + 1 < len(plan.chunks) else None
+                    if rendered is None:
+                        raise RuntimeError("hibari: model run was terminated")
+                    chunk_offsets.append(offset)
+                    word_samples.append(rendered.word_samples)
+                    spans = []
+                    while next_word < len(plan.words) and plan.words[next_word].last[0] == index:
+                        word = plan.words[next_word]
+                        (first_chunk, first_pw), (last_chunk, last_pw) = word.first, word.last
+                        start = chunk_offsets[first_chunk] + word_samples[first_chunk][first_pw][0]
+                        end = chunk_offsets[last_chunk] + word_samples[last_chunk][last_pw][1]
+                        spans.append(WordSpan(word.char_start, word.char_end, start, max(start, end)))
+                        next_word += 1
+                    offset += len(rendered.samples)
+                    yield AudioPiece(rendered.samples, SAMPLE_RATE, tuple(spans))
+            finally:
+                if pending is not None:
+                    pending[1].terminate = True
 
     # -- worker-thread jobs ----------------------------------------------------------------------------
 
@@ -417,10 +448,12 @@ class HibariEngine:
         )
         return _Rendered(samples, durations, word_samples)
 
-    def _plan(self, text: str) -> _Plan:
-        """Sentences -> phoneme chunks (exactly as `Hibari.phonemize`), and each written word's phoneme
-        words, aligned per sentence so a word never lands in another sentence's chunk."""
+    def _plan(self, sent: str) -> _Plan:
+        """Sentences -> phoneme chunks (exactly as `Hibari.phonemize` of `phonemizer_text(sent)`), and each
+        written word's phoneme words, aligned per sentence so a word never lands in another sentence's
+        chunk; word char ranges index `sent`."""
         tts = self._require_tts()
+        text, origin = phonemizer_text(sent)
         chunks: list[_Chunk] = []
         words: list[_PlannedWord] = []
         with self._g2p_lock:
@@ -441,6 +474,8 @@ class HibariEngine:
                 written = _text_words(text, start, position)
                 owners = self._align([self._word_phonemes(raw) for _, _, raw in written], lengths)
                 for (char_start, char_end, _), owned in zip(written, owners, strict=True):
+                    if origin is not None:
+                        char_start, char_end = origin[char_start], origin[char_end - 1] + 1
                     if owned:
                         words.append(
                             _PlannedWord(
@@ -507,13 +542,7 @@ class HibariEngine:
 
     def _count(self, **deltas: float) -> None:
         with self._stats_lock:
-            current = self._stats
-            self._stats = HibariStats(
-                **{
-                    name: getattr(current, name) + deltas.get(name, 0)
-                    for name in HibariStats.__dataclass_fields__
-                }
-            )
+            self._stats = self._stats.plus(**deltas)
 
     def _require_executor(self) -> ThreadPoolExecutor:
         if self._executor is None:

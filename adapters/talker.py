@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import numpy as np
+from voicewire.adapters.base import RequestCounts, counted_outcome
 from voicewire.adapters.talker_codec import (
     ChunkPolicy,
     ChunkStreamer,
@@ -103,32 +103,36 @@ class TalkerConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class TalkerStats:
-    """A snapshot of the engine's counters since `start()`.
+class StepStats:
+    """vLLM's own per-step statistics since `start()`: `engine_steps`, `batched_steps` (steps that ran more
+    than one request), `peak_running` (most requests in one step), `running` and `kv_cache_usage` (after the
+    latest step), `generated_tokens`."""
 
-    Requests: `started` = `completed` + `cancelled` + `failed` + those in flight. `tokens` and `frames`
-    count what the talker streamed to us; `chunks` the audio pieces yielded. `cached_prompt_tokens` sums
-    vLLM's prefix-cache hits over all prompts (`prompt_tokens`). From vLLM's own per-step statistics:
-    `engine_steps`, `batched_steps` (steps that ran more than one request), `peak_running` (most requests
-    in one step), `running` and `kv_cache_usage` (after the latest step), `generated_tokens`.
-    """
-
-    started: int = 0
-    completed: int = 0
-    cancelled: int = 0
-    failed: int = 0
-    tokens: int = 0
-    frames: int = 0
-    chunks: int = 0
-    slot_mismatches: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
     engine_steps: int = 0
     batched_steps: int = 0
     peak_running: int = 0
     running: int = 0
     kv_cache_usage: float = 0.0
     generated_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TalkerStats(RequestCounts):
+    """A snapshot of the engine's counters since `start()`.
+
+    Requests by outcome as `RequestCounts` says. `tokens` and `frames`
+    count what the talker streamed to us; `chunks` the audio pieces yielded. `cached_prompt_tokens` sums
+    vLLM's prefix-cache hits over all prompts (`prompt_tokens`). `steps`: vLLM's per-step statistics;
+    `codec`: the codec batcher's.
+    """
+
+    tokens: int = 0
+    frames: int = 0
+    chunks: int = 0
+    slot_mismatches: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    steps: StepStats = field(default_factory=StepStats)
     codec: CodecStats = field(default_factory=CodecStats)
 
 
@@ -204,7 +208,7 @@ class TalkerEngine:
         self._tokenizer: _Tokenizer | None = None
         self._llm: Any = None
         self._counts: dict[str, int] = {}
-        self._steps = _Steps()
+        self._steps = StepStats()
         self._trace: dict[str, dict[str, float]] | None = None
 
     @property
@@ -213,7 +217,7 @@ class TalkerEngine:
 
     @property
     def stats(self) -> TalkerStats:
-        return TalkerStats(**self._counts, **dataclasses.asdict(self._steps), codec=self._batcher.stats)
+        return TalkerStats(**self._counts, steps=self._steps, codec=self._batcher.stats)
 
     def trace(self, enabled: bool) -> dict[str, dict[str, float]]:
         """Benchmarks: start (`True`) or stop recording each unit's first-chunk stage times, returning what was
@@ -247,7 +251,7 @@ class TalkerEngine:
             await self.close()
             raise
         self._counts = {}
-        self._steps = _Steps()
+        self._steps = StepStats()
         self._batcher.stats = CodecStats()
 
     async def close(self) -> None:
@@ -350,35 +354,28 @@ class TalkerEngine:
         # urgent window first.
         played_from: float | None = None
         sent = 0
-        outcome = "cancelled"
-        try:
-            async with contextlib.aclosing(due_windows()) as windows:
-                async for window in windows:
-                    times: list[float] | None = None
-                    if played_from is None:
-                        deadline = time.perf_counter()
-                        if trace is not None:
-                            trace["first_frame"] = trace["queued"] = deadline
-                            times = []
-                    else:
-                        deadline = played_from + sent / SAMPLE_RATE
-                    audio = await self._batcher.decode(window, deadline, times)
-                    if played_from is None:
-                        played_from = time.perf_counter()
-                        if trace is not None and times:
-                            trace.update(decode_start=times[0], decode_end=times[1], yielded=played_from)
-                    sent += len(audio)
-                    count("chunks", 1)
-                    yield AudioPiece(audio, SAMPLE_RATE)
-            outcome = "completed"
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except BaseException:
-            outcome = "failed"
-            raise
-        finally:
-            count("slot_mismatches", parser.slot_mismatches)
-            count(outcome, 1)
+        with counted_outcome(lambda outcome: count(outcome, 1)):
+            try:
+                async with contextlib.aclosing(due_windows()) as windows:
+                    async for window in windows:
+                        times: list[float] | None = None
+                        if played_from is None:
+                            deadline = time.perf_counter()
+                            if trace is not None:
+                                trace["first_frame"] = trace["queued"] = deadline
+                                times = []
+                        else:
+                            deadline = played_from + sent / SAMPLE_RATE
+                        audio = await self._batcher.decode(window, deadline, times)
+                        if played_from is None:
+                            played_from = time.perf_counter()
+                            if trace is not None and times:
+                                trace.update(decode_start=times[0], decode_end=times[1], yielded=played_from)
+                        sent += len(audio)
+                        count("chunks", 1)
+                        yield AudioPiece(audio, SAMPLE_RATE)
+            finally:
+                count("slot_mismatches", parser.slot_mismatches)
 
     def _sampling_params(self, request: SynthesisRequest) -> Any:
         from vllm import SamplingParams
@@ -446,28 +443,13 @@ class TalkerEngine:
 
     def _record_step(self, running: int, kv_cache_usage: float, generated: int) -> None:
         s = self._steps
-        s.engine_steps += 1
-        s.batched_steps += running > 1
-        s.peak_running = max(s.peak_running, running)
-        s.running, s.kv_cache_usage = running, kv_cache_usage
-        s.generated_tokens += generated
+        self._steps = StepStats(s.engine_steps + 1, s.batched_steps + (running > 1), max(s.peak_running, running),
+                                running, kv_cache_usage, s.generated_tokens + generated)
 
     def _count(self, name: str, value: int) -> None:
         """Add to one counter of `TalkerStats` (a dict update: this runs for every streamed output)."""
         counts = self._counts
         counts[name] = counts.get(name, 0) + value
-
-
-@dataclass(slots=True)
-class _Steps:
-    """vLLM's per-step statistics, updated in place (once per engine step)."""
-
-    engine_steps: int = 0
-    batched_steps: int = 0
-    peak_running: int = 0
-    running: int = 0
-    kv_cache_usage: float = 0.0
-    generated_tokens: int = 0
 
 
 def _warm_codes(frames: int) -> Any:

@@ -3,7 +3,8 @@
 `ProcessEngine` implements the engine interface by dispatching every request to one of `workers` child
 processes (spawned, never forked), each running its own engine (by default `create_engine(name, workers=1)`)
 on its own event loop. Requests go down a pipe, audio pieces stream back as they are computed; every message
-on the pipe is one of the typed structs below (`ToWorker`, `FromWorker`).
+on the pipe is one of the typed structs below (`ToWorker`, `FromWorker`), but for a `Piece`'s samples, which
+follow it raw.
 
 Why processes: an engine crash (a native fault, the OOM killer, `kill -9`) takes one worker down, not
 the server. When a worker dies, only the requests it was computing fail (with `EngineWorkerDied`); requests
@@ -34,7 +35,9 @@ in a row. That catches a stage the engine cannot interrupt and leaves running on
 iterator closed (text processing, for one). A worker that has not confirmed a cancel within
 `cancel_grace_s` is killed and replaced, so no core stays busy on abandoned work after a unit's deadline.
 
-Memory per request in the parent: the pieces received but not yet consumed, bounded by one unit's audio.
+Memory per request in the parent: the pieces received but not yet consumed, bounded by one unit's audio;
+in the worker: the pieces computed but not yet written to the pipe (one thread writes them, in order, so
+the worker's event loop never waits for the pipe), bounded the same way.
 """
 
 from __future__ import annotations
@@ -51,11 +54,21 @@ from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from queue import SimpleQueue
 from typing import Literal
 
 import msgspec
-from voicewire.adapters.base import Engine
-from voicewire.protocol.engine import AudioPiece, EngineError, EngineInfo, EngineWorkerLost, SynthesisRequest
+import numpy as np
+from voicewire.adapters.base import Engine, RequestCounts
+from voicewire.protocol.engine import (
+    AudioPiece,
+    EngineError,
+    EngineInfo,
+    EngineWorkerLost,
+    FloatAudio,
+    SynthesisRequest,
+    WordSpan,
+)
 
 log = logging.getLogger("voicewire.workers")
 
@@ -95,15 +108,11 @@ class WorkerTimings:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerStats:
-    """Requests by outcome, across all workers; `confirmed`: cancels a worker confirmed stopped (the rest of
-    `cancelled` went with a worker that died or was replaced, or are still unconfirmed); `restarts`: workers
-    started to replace one that died or was killed."""
+class WorkerStats(RequestCounts):
+    """Requests by outcome (`RequestCounts`), across all workers; `confirmed`: cancels a worker confirmed
+    stopped (the rest of `cancelled` went with a worker that died or was replaced, or are still unconfirmed);
+    `restarts`: workers started to replace one that died or was killed."""
 
-    started: int = 0
-    completed: int = 0
-    cancelled: int = 0
-    failed: int = 0
     confirmed: int = 0
     restarts: int = 0
 
@@ -182,8 +191,16 @@ class StartFailed(msgspec.Struct, frozen=True, tag=True):
 
 
 class Piece(msgspec.Struct, frozen=True, tag=True):
+    """Worker to parent: an audio piece of request `rid`. Its `samples` float32 samples follow as the next
+    message on the pipe, raw (`Connection.send_bytes` of the array's buffer): pickling the array and
+    unpickling it on the other side made two more copies of every piece and took about twice the CPU of the
+    raw transfer on each side."""
+
     rid: str
-    piece: AudioPiece
+    samples: int
+    sample_rate: int
+    words: tuple[WordSpan, ...]
+    input_audio_tokens: int = 0
 
 
 class Done(msgspec.Struct, frozen=True, tag=True):
@@ -217,13 +234,23 @@ class _Lost:
     reason: str
 
 
-_Reply = Piece | Done | Failed | _Lost
+@dataclass(frozen=True, slots=True)
+class _Audio:
+    """Parent side only: a `Piece` and its samples, as the reader thread received them."""
+
+    rid: str
+    piece: AudioPiece
+
+
+_Reply = _Audio | Done | Failed | _Lost
 
 
 @dataclass(eq=False)
 class _Worker:
     slot: int
     process: BaseProcess
+    """Closed once reaped: read `pid`, which outlives it, not `process.pid`."""
+    pid: int | None
     conn: Connection
     ready: asyncio.Future[EngineInfo]
     exited: asyncio.Event = field(default_factory=asyncio.Event)
@@ -305,18 +332,18 @@ class ProcessEngine:
     @property
     def health(self) -> PoolHealth:
         return PoolHealth(
-            slots=tuple(SlotHealth(s.state, s.worker.process.pid if s.worker is not None else None, s.failures)
+            slots=tuple(SlotHealth(s.state, s.worker.pid if s.worker is not None else None, s.failures)
                         for s in self._slots),
             waiting=self._waiting, restarts=self._stats.restarts)
 
     def worker_pids(self) -> list[int | None]:
         """The process id of each live worker (None for a slot whose worker is starting or backing off)."""
-        return [w.process.pid if (w := s.worker) is not None and w.live else None for s in self._slots]
+        return [w.pid if (w := s.worker) is not None and w.live else None for s in self._slots]
 
     def busy_worker_pids(self) -> list[int]:
         """Process ids of live workers computing at least one request now."""
-        return [w.process.pid for s in self._slots
-                if (w := s.worker) is not None and w.live and w.inflight and w.process.pid]
+        return [w.pid for s in self._slots
+                if (w := s.worker) is not None and w.live and w.inflight and w.pid]
 
     async def start(self) -> None:
         """Spawn every worker and wait until each has loaded and warmed its engine; if one cannot, close
@@ -362,7 +389,7 @@ class ProcessEngine:
         try:
             while True:
                 match await queue.get():
-                    case Piece(piece=piece):
+                    case _Audio(piece=piece):
                         yield piece
                     case Done():
                         outcome = "completed"
@@ -422,7 +449,7 @@ class ProcessEngine:
         """Kill a live worker that misbehaves; its supervisor reaps it and starts another."""
         if not worker.live:
             return
-        log.error("engine worker %d (pid %s) %s; killing and replacing it", worker.slot, worker.process.pid, why)
+        log.error("engine worker %d (pid %s) %s; killing and replacing it", worker.slot, worker.pid, why)
         worker.live = False
         worker.fate = f"{why} and was killed"
         worker.process.kill()
@@ -508,7 +535,7 @@ class ProcessEngine:
         slot.state = "live"
         if first.done():
             self._count(restarts=1)
-            log.info("engine worker %d restarted (pid %s)", slot.index, worker.process.pid)
+            log.info("engine worker %d restarted (pid %s)", slot.index, worker.pid)
         else:
             first.set_result(info)
         self._notify()
@@ -523,7 +550,7 @@ class ProcessEngine:
             process.start()
         finally:
             child.close()
-        worker = _Worker(slot=index, process=process, conn=parent, ready=loop.create_future())
+        worker = _Worker(slot=index, process=process, pid=process.pid, conn=parent, ready=loop.create_future())
         threading.Thread(target=self._read, args=(worker, loop), daemon=True,
                          name=f"voicewire-worker-{index}-reader").start()
         return worker
@@ -546,16 +573,22 @@ class ProcessEngine:
         await asyncio.to_thread(worker.process.join)
         if worker.ready.done() and not worker.ready.cancelled():
             worker.ready.exception()  # retrieved: a start that failed was logged by the supervisor
-        ended = _Ended(worker.process.pid, worker.process.exitcode)
+        ended = _Ended(worker.pid, worker.process.exitcode)
         worker.conn.close()
         worker.process.close()
         return ended
 
     def _read(self, worker: _Worker, loop: asyncio.AbstractEventLoop) -> None:
-        """Reader thread: forwards each message of the worker to the loop; EOF means the worker is gone."""
+        """Reader thread: forwards each message of the worker to the loop (a `Piece` with its samples, a
+        read-only array over the bytes received: the renderer only reads them); EOF means the worker is gone."""
         while True:
             try:
-                message: FromWorker = worker.conn.recv()
+                message: FromWorker | _Audio = worker.conn.recv()
+                if isinstance(message, Piece):
+                    raw = worker.conn.recv_bytes() if message.samples else b""
+                    samples = np.frombuffer(raw, np.float32)
+                    message = _Audio(message.rid, AudioPiece(samples, message.sample_rate, message.words,
+                                                                  message.input_audio_tokens))
             except (EOFError, OSError):
                 break
             worker.last_heard = time.monotonic()
@@ -566,7 +599,7 @@ class ProcessEngine:
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._on_exit, worker)
 
-    def _deliver(self, worker: _Worker, message: FromWorker) -> None:
+    def _deliver(self, worker: _Worker, message: FromWorker | _Audio) -> None:
         match message:
             case Ready(info=info):
                 if not worker.ready.done():
@@ -574,7 +607,7 @@ class ProcessEngine:
             case StartFailed(reason=reason):
                 if not worker.ready.done():
                     worker.ready.set_exception(RuntimeError(f"engine worker failed to start: {reason}"))
-            case Piece(rid=rid) | Done(rid=rid) | Failed(rid=rid):
+            case _Audio(rid=rid) | Done(rid=rid) | Failed(rid=rid):
                 queue = worker.inflight.get(rid)
                 if queue is not None:
                     queue.put_nowait(message)
@@ -591,7 +624,7 @@ class ProcessEngine:
         worker.live = False
         if not worker.ready.done():
             worker.ready.set_exception(RuntimeError("engine worker exited while starting"))
-        reason = (f"engine worker {worker.slot} (pid {worker.process.pid}) {worker.fate} while computing this "
+        reason = (f"engine worker {worker.slot} (pid {worker.pid}) {worker.fate} while computing this "
                   f"unit; it is being restarted")
         for queue in worker.inflight.values():
             queue.put_nowait(_Lost(reason))
@@ -602,8 +635,7 @@ class ProcessEngine:
         self._notify()
 
     def _count(self, **delta: int) -> None:
-        s = self._stats
-        self._stats = WorkerStats(**{k: getattr(s, k) + delta.get(k, 0) for k in WorkerStats.__dataclass_fields__})
+        self._stats = self._stats.plus(**delta)
 
 
 def _supervisor_ended(first: asyncio.Future[EngineInfo], task: asyncio.Task[None]) -> None:
@@ -619,18 +651,68 @@ def _supervisor_ended(first: asyncio.Future[EngineInfo], task: asyncio.Task[None
 
 
 def _worker_main(conn: Connection, build: Callable[[], Engine], heartbeat_s: float) -> None:
-    """Entry point of a worker process: serve requests from `conn` until told to stop or orphaned."""
-    asyncio.run(_serve(conn, build, heartbeat_s))
+    """Entry point of a worker process: serve requests from `conn` until told to stop or orphaned, on uvloop
+    where it is installed, as the server does: the worker's loop wakes several times per request (the request,
+    each engine job's end, each piece), and the default loop spends each wake-up in Python."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_serve(conn, build, heartbeat_s))
+    else:
+        uvloop.run(_serve(conn, build, heartbeat_s))
+
+
+_Outgoing = FromWorker | tuple[Piece, FloatAudio]
+"""What the worker's loop hands its outbox: a message, or a piece's header and its samples (sent raw after it)."""
+
+
+class _Outbox:
+    """The worker's messages to the parent, sent in order by one thread: the event loop only queues them
+    (no thread hop and wake-up per audio piece), and a parent slow to read blocks that thread, not the loop.
+    Once the pipe fails (the parent is gone) the rest is dropped; the receive loop sees EOF and ends."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: SimpleQueue[_Outgoing | None] = SimpleQueue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="worker-outbox")
+        self._thread.start()
+
+    def send(self, message: _Outgoing) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        """Send what is queued (up to `STOP_GRACE_S`), then stop the thread."""
+        self._queue.put(None)
+        self._thread.join(STOP_GRACE_S)
+
+    def _run(self) -> None:
+        broken = False
+        while (message := self._queue.get()) is not None:
+            if broken:
+                continue
+            try:
+                if isinstance(message, tuple):
+                    head, samples = message
+                    self._conn.send(head)
+                    if head.samples:
+                        self._conn.send_bytes(samples.data)
+                else:
+                    self._conn.send(message)
+            except OSError:
+                broken = True
 
 
 async def _serve(conn: Connection, build: Callable[[], Engine], heartbeat_s: float) -> None:
+    outbox = _Outbox(conn)
+    try:
+        await _serve_with(conn, outbox.send, build, heartbeat_s)
+    finally:
+        await asyncio.to_thread(outbox.close)
+
+
+async def _serve_with(conn: Connection, send: Callable[[_Outgoing], None], build: Callable[[], Engine],
+                      heartbeat_s: float) -> None:
     loop = asyncio.get_running_loop()
-    send_lock = threading.Lock()
-
-    def send(message: FromWorker) -> None:
-        with send_lock:
-            conn.send(message)
-
     engine = build()
     try:
         await engine.start()
@@ -638,6 +720,7 @@ async def _serve(conn: Connection, build: Callable[[], Engine], heartbeat_s: flo
         send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
     send(Ready(engine.info))
+    _name_threads()
     tasks: dict[str, asyncio.Task[None]] = {}
     helpers: set[asyncio.Task[None]] = set()
 
@@ -645,7 +728,8 @@ async def _serve(conn: Connection, build: Callable[[], Engine], heartbeat_s: flo
         try:
             async with contextlib.aclosing(engine.synthesize(request)) as pieces:
                 async for piece in pieces:
-                    await asyncio.to_thread(send, Piece(rid, piece))
+                    samples = np.ascontiguousarray(piece.samples, np.float32)
+                    send((Piece(rid, len(samples), piece.sample_rate, piece.words, piece.input_audio_tokens), samples))
             send(Done(rid))
         except asyncio.CancelledError:
             pass
@@ -663,10 +747,9 @@ async def _serve(conn: Connection, build: Callable[[], Engine], heartbeat_s: flo
         send(Cancelled(rid))
 
     async def beat() -> None:
-        with contextlib.suppress(OSError):  # the parent is gone: the receive loop sees EOF and ends
-            while True:
-                send(Heartbeat())
-                await asyncio.sleep(heartbeat_s)
+        while True:
+            send(Heartbeat())
+            await asyncio.sleep(heartbeat_s)
 
     def spawn(coro: Coroutine[None, None, None]) -> None:
         task = loop.create_task(coro)
@@ -692,6 +775,16 @@ async def _serve(conn: Connection, build: Callable[[], Engine], heartbeat_s: flo
             task.cancel()
         await asyncio.gather(*tasks.values(), *helpers, return_exceptions=True)
         await engine.close()
+
+
+def _name_threads() -> None:
+    """Give the kernel each thread's Python name (its first 15 characters), so that `top -H`, profilers and
+    `bench.capacity` tell the engine's compute threads from the worker's own; best effort (Linux only)."""
+    for thread in threading.enumerate():
+        if thread is threading.main_thread() or thread.native_id is None:
+            continue
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{thread.native_id}/comm", "w") as f:
+            f.write(thread.name[:15])
 
 
 async def _threads_quiet(busy: Callable[[], bool]) -> None:

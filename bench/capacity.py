@@ -86,6 +86,8 @@ class Trial:
     server_loop_cpu: float = 0.0
     server_other_cpu: float = 0.0
     server_runq_wait: float = 0.0
+    components: dict[str, float] = field(default_factory=dict)
+    """Server CPU (cores) over the steady window by component (`CapacityServer.components`)."""
     client_cpu: float = 0.0
     client_lag_max_ms: float = 0.0
     window: tuple[float, float] = (0.0, 0.0)
@@ -111,6 +113,12 @@ class Trial:
     @property
     def underruns(self) -> int:
         return sum(len(r.underrun_units) for r in self.replies)
+
+    def component_ms(self) -> dict[str, float]:
+        """Each server component's CPU milliseconds per second of audio played, over the steady window."""
+        playing = self.streams_playing
+        return {name: cores / playing * 1000.0 if playing else float("nan")
+                for name, cores in self.components.items()}
 
     def margins(self) -> str:
         """p1 / p5 / p50 margin (ms of audio left when a unit's first frame arrived) for the second unit of
@@ -150,6 +158,7 @@ class Trial:
             "server_loop_cpu": self.server_loop_cpu, "server_other_cpu": self.server_other_cpu,
             "server_runq_wait": self.server_runq_wait,
             "client_cpu": self.client_cpu, "client_lag_max_ms": self.client_lag_max_ms,
+            **{f"cpu_ms_per_audio_s.{name}": ms for name, ms in self.component_ms().items()},
         }
 
 
@@ -159,11 +168,16 @@ class Trial:
 class Ceiling:
     """A started `HibariEngine(workers)` in this process, idle except while `measure` keeps it saturated."""
 
-    def __init__(self, workers: int, seed: int) -> None:
+    def __init__(self, workers: int, seed: int, cpus: set[int] | None = None,
+                 client_cpus: set[int] | None = None) -> None:
         self.engine = HibariEngine(workers=workers)
         self.workers = workers
         self.rng = random.Random(seed)
         self.requests = 0
+        self.cpus = cpus
+        self.client_cpus = client_cpus
+        """With `cpus`, the engine-only run is pinned to the server's cores (every thread of this process
+        while it runs) and this process goes back to `client_cpus` (or all cores) afterwards."""
 
     async def measure(self, seconds: float) -> dict[str, float]:
         """Aggregate real-time factor (audio seconds per wall second) over `seconds` of back-to-back requests,
@@ -176,22 +190,44 @@ class Ceiling:
             nonlocal audio_samples
             while time.monotonic() < deadline:
                 self.requests += 1
-                request = SynthesisRequest(f"ceiling-{self.requests}", self.rng.choice(SENTENCES),
-                                           engine.info.voices[0])
+                request = SynthesisRequest(request_id=f"ceiling-{self.requests}",
+                                           text=self.rng.choice(SENTENCES), voice=engine.info.voices[0])
                 async for piece in engine.synthesize(request):
                     audio_samples += len(piece.samples)
 
+        if self.cpus:
+            pin_threads(self.cpus)
         started = time.monotonic()
         before = schedstat(os.getpid())
-        # two feeders per worker, so a worker never waits for the event loop to hand it the next job
-        await asyncio.gather(*(feeder() for _ in range(2 * self.workers)))
-        wall = time.monotonic() - started
-        after = schedstat(os.getpid())
+        try:
+            # two feeders per worker, so a worker never waits for the event loop to hand it the next job
+            await asyncio.gather(*(feeder() for _ in range(2 * self.workers)))
+        finally:
+            wall = time.monotonic() - started
+            after = schedstat(os.getpid())
+            if self.cpus:
+                pin_threads(self.client_cpus or set(range(os.cpu_count() or 1)))
         return {"aggregate_rtf": audio_samples / engine.info.sample_rate / wall, "seconds": wall,
                 "cpu": (after[0] + after[1] - before[0] - before[1]) / wall,
                 "cpu_ms_per_audio_s": (after[0] + after[1] - before[0] - before[1]) * 1000.0
                 / (audio_samples / engine.info.sample_rate),
                 "runq_wait": (after[2] - before[2]) / wall}
+
+
+def pin_threads(cpus: set[int]) -> None:
+    """Every thread of this process onto `cpus` (threads started later inherit the caller's mask)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def parse_cpus(text: str) -> set[int]:
+    """"0,1" or "0-3" or "0-1,4" -> the set of core numbers."""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 # -- one session ------------------------------------------------------------------------------------------
@@ -291,8 +327,9 @@ def _playback(frames: list[tuple[float, int, int]]) -> tuple[list[int], list[tup
 class CapacityServer(ServerProcess):
     """The server under test, with the CPU accounting the capacity figures need."""
 
-    def __init__(self, workers: int, isolation: str) -> None:
-        super().__init__("hibari", extra=("--engine-workers", str(workers), "--engine-isolation", isolation))
+    def __init__(self, workers: int, isolation: str, cpus: set[int] | None = None) -> None:
+        super().__init__("hibari", extra=("--engine-workers", str(workers), "--engine-isolation", isolation),
+                         cpus=cpus)
 
     def cpu_seconds(self) -> tuple[float, float, float]:
         """(event-loop thread CPU, CPU of all other threads and of the engine's child processes, run-queue
@@ -306,6 +343,43 @@ class CapacityServer(ServerProcess):
                 wait += child_wait
         return loop, other, wait
 
+    def components(self) -> dict[str, float]:
+        """CPU seconds so far by component (threads are told apart by kernel thread names, see
+        `THREAD_COMPONENTS`): the server's event loop (sessions, rendering, encoding, JSON, socket writes),
+        its other threads (the worker pipes' reader threads: receiving and decoding pieces), the engine
+        processes' event loops (dispatch, sending pieces to the pipe), their engine threads (the model and
+        its DSP) and their other threads."""
+        totals = dict.fromkeys(COMPONENTS, 0.0)
+        for tid, _name, cpu in threads(self.proc.pid):
+            totals["loop" if tid == self.proc.pid else "server threads"] += cpu
+        for child in children(self.proc.pid):
+            for tid, name, cpu in threads(child):
+                if tid == child:
+                    totals["worker loops"] += cpu
+                elif name.startswith(ENGINE_THREADS):
+                    totals["engine"] += cpu
+                else:
+                    totals["worker threads"] += cpu
+        return totals
+
+
+COMPONENTS = ("loop", "server threads", "worker loops", "worker threads", "engine")
+ENGINE_THREADS = ("hibari",)
+"""Kernel names (`/proc/.../comm`) of the engine's compute threads in a worker process."""
+
+
+def threads(pid: int) -> list[tuple[int, str, float]]:
+    """(thread id, kernel thread name, CPU seconds so far) of every thread of process `pid`."""
+    found = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError):
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    run_ns = int(f.read().split()[0])
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                found.append((int(tid), name, run_ns / 1e9))
+    return found
 
 
 async def trial(server: CapacityServer, n: int, args: argparse.Namespace) -> Trial:
@@ -339,9 +413,12 @@ async def trial(server: CapacityServer, n: int, args: argparse.Namespace) -> Tri
         lo, hi = result.window
         await asyncio.sleep(max(0.0, lo - time.monotonic()))
         server_before, client_before = server.cpu_seconds(), time.process_time()
+        parts_before = server.components()
         await asyncio.sleep(max(0.0, hi - time.monotonic()))
         server_after, client_after = server.cpu_seconds(), time.process_time()
+        parts_after = server.components()
         span = hi - lo
+        result.components = {name: (parts_after[name] - parts_before[name]) / span for name in parts_after}
         result.server_loop_cpu = (server_after[0] - server_before[0]) / span
         result.server_other_cpu = (server_after[1] - server_before[1]) / span
         result.server_runq_wait = (server_after[2] - server_before[2]) / span
@@ -395,9 +472,13 @@ class SearchResult:
 
 
 async def search(args: argparse.Namespace) -> SearchResult:
-    ceiling = Ceiling(args.engine_workers, args.seed)
+    server_cpus = parse_cpus(args.server_cpus) or None
+    client_cpus = parse_cpus(args.client_cpus) or None
+    if client_cpus:
+        pin_threads(client_cpus)
+    ceiling = Ceiling(args.engine_workers, args.seed, server_cpus, client_cpus)
     await ceiling.engine.start()
-    server = CapacityServer(args.engine_workers, args.engine_isolation)
+    server = CapacityServer(args.engine_workers, args.engine_isolation, server_cpus)
     trials: list[Trial] = []
     lo = 0
     try:
@@ -419,6 +500,7 @@ async def search(args: argparse.Namespace) -> SearchResult:
                   f"client cpu {s['client_cpu']:.2f}  lag {s['client_lag_max_ms']:.0f} ms  errors {s['errors']}  "
                   f"cpu ms per audio s: server {s['server_cpu_ms_per_audio_s']:.2f} "
                   f"engine-only {s['engine_cpu_ms_per_audio_s']:.2f}"
+                  + "  by component: " + " ".join(f"{k} {v:.2f}" for k, v in result.component_ms().items())
                   + f"  unit margin ms p1/p5/p50: {result.margins()}"
                   + (f"  underruns at unit #: {result.underruns_by_unit()}" if result.underruns else ""),
                   flush=True)
@@ -459,6 +541,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ceiling-s", type=float, default=5.0,
                         help="seconds of the engine-only run before each trial")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--server-cpus", default="",
+                        help="pin the server and its engine processes (and the engine-only ceiling run) to these "
+                             "cores, e.g. 0,1 or 0-1")
+    parser.add_argument("--client-cpus", default="",
+                        help="pin this process (the clients) to these cores, e.g. 2-3")
     parser.add_argument("--json", action="store_true", help="print the results as JSON at the end")
     args = parser.parse_args(argv)
     with contextlib.suppress(ImportError):
@@ -500,7 +587,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU per second of audio (median): server {server_cost:.2f} ms (all threads, passing trials), "
           f"engine alone {engine_cost:.2f} ms; efficiency {engine_cost / server_cost:.2f} "
           "(the fraction of the ceiling a dedicated machine would reach if CPU were the only limit)")
+    print_components(passed, engine_cost)
     return 0
+
+
+def print_components(trials: list[Trial], engine_alone_ms: float) -> None:
+    """The server's CPU per second of audio by component (median over `trials`), and the serving path's
+    own share: everything but the engine threads, plus what the engine threads spent beyond the engine
+    alone (sharing cores, more and shorter units)."""
+    if not trials:
+        return
+    per = [t.component_ms() for t in trials]
+    medians = {name: percentile([p[name] for p in per], 50) for name in COMPONENTS}
+    serving = sum(v for k, v in medians.items() if k != "engine")
+    print("CPU ms per second of audio by component (median of passing trials): "
+          + ", ".join(f"{name} {ms:.2f}" for name, ms in medians.items()))
+    print(f"serving path (all but the engine threads): {serving:.2f} ms; engine threads {medians['engine']:.2f} ms "
+          f"against {engine_alone_ms:.2f} ms for the engine alone")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,10 @@ decode, segment, schedule, render, send, loopback).
    trial passes with no underrun, no error, p99 latency under `--lead` and the server below 0.95 of its
    core. It also gives the server's CPU milliseconds per second of audio streamed; 1000 divided by that
    is the number of streams a whole core would sustain if CPU were the only limit (the estimate to trust
-   when the client, on one core of its own, runs out first: see its CPU column).
+   when the client, on one core of its own, runs out first: see its CPU column). The run-queue wait of
+   the server's threads and of the client, per second of the window, says whether other processes held
+   the cores: a trial that falls behind with low CPU and a high server wait was starved, not waiting on
+   a timer or the network.
 
 Run from the repository root: `python -m bench.overhead` (see `--help`; docs/benchmarks.md has results).
 """
@@ -145,6 +148,11 @@ class Trial:
     window_s: float = 0.0
     server_cpu: float = 0.0
     client_cpu: float = 0.0
+    server_wait: float = 0.0
+    """Run-queue wait of the server's threads per second of the window: ready to run, but another process
+    held the core (the machine is shared)."""
+    client_wait: float = 0.0
+    """The same for this (client) process."""
 
     @property
     def cpu_ms_per_audio_s(self) -> float:
@@ -159,7 +167,8 @@ class Trial:
         return [self.server, self.streams, "yes" if self.passed(lead_s) else "no", len(self.latencies_ms),
                 self.underruns, len(self.errors), percentile(self.latencies_ms, 50),
                 percentile(self.latencies_ms, 99), self.audio_s / self.window_s if self.window_s else 0.0,
-                self.server_cpu, self.cpu_ms_per_audio_s, 1000.0 / self.cpu_ms_per_audio_s, self.client_cpu]
+                self.server_cpu, self.cpu_ms_per_audio_s, 1000.0 / self.cpu_ms_per_audio_s, self.client_cpu,
+                self.server_wait, self.client_wait]
 
 
 class Stream:
@@ -246,10 +255,14 @@ async def run_trial(name: str, server: Server | BaselineServer, n: int, args: ar
 
         async def meter() -> None:
             await asyncio.sleep(max(0.0, window[0] - time.perf_counter()))
-            server_before, client_before = sum(schedstat(server.pid)[:2]), time.process_time()
+            server_before, client_before = schedstat(server.pid), time.process_time()
+            client_wait_before = schedstat(os.getpid())[2]
             await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
-            trial.server_cpu = (sum(schedstat(server.pid)[:2]) - server_before) / args.duration
+            server_after = schedstat(server.pid)
+            trial.server_cpu = (sum(server_after[:2]) - sum(server_before[:2])) / args.duration
+            trial.server_wait = (server_after[2] - server_before[2]) / args.duration
             trial.client_cpu = (time.process_time() - client_before) / args.duration
+            trial.client_wait = (schedstat(os.getpid())[2] - client_wait_before) / args.duration
 
         await asyncio.gather(meter(), *(s.play(trial, start + rng.uniform(0, args.ramp), window, args.lead)
                                         for s in streams))
@@ -351,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{percentile(ours, 50) / percentile(base, 50):.2f}, p99 {percentile(ours, 99) / percentile(base, 99):.2f}")
     print()
     print(table(["server", "N", "pass", "units", "underruns", "errors", "lat p50", "lat p99", "audio s/s",
-                 "server cpu", "cpu ms/audio s", "streams/core est", "client cpu"],
+                 "server cpu", "cpu ms/audio s", "streams/core est", "client cpu", "server wait", "client wait"],
                 [t.row(args.lead) for t in trials]))
     for name in ("voicewire", "baseline"):
         mine = [t for t in trials if t.server == name]

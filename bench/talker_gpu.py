@@ -38,14 +38,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
-import statistics
 import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +54,7 @@ from voicewire.adapters.talker_testing import LLAMA_3_2_3B, SNAC_24KHZ, TINY_LLA
 from voicewire.protocol.engine import SynthesisRequest
 from voicewire.realtime.settings import Settings
 
-from bench.workload import percentile, table
+from bench.workload import percentile, play, spread, table
 from tests.server import ServerThread
 
 TEXT = ("Your flight to Tokyo departs from gate B twelve at noon, and boarding begins forty minutes earlier, "
@@ -65,33 +64,25 @@ WARM_TEXT = "Warm up this concurrency level, please."
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 
 
-@dataclass(frozen=True, slots=True)
-class Stream:
-    """One client's view of one utterance."""
+class GcPauses:
+    """Every garbage-collector pause in this process (the server's) while installed, in ms."""
 
-    ttfa_ms: float
-    audio_s: float
-    rtf: float
-    stall_s: float
-    stalls: int
-    stall_chunks: tuple[int, ...] = ()
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+        self._began = 0.0
 
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._on)
+        return self
 
-def play(sent_at: float, arrivals: list[tuple[float, int]]) -> Stream:
-    """Replay arrivals (time, samples) through a player that starts at the first byte."""
-    start = arrivals[0][0]
-    played_until = start
-    stall_s, stalls, where = 0.0, 0, []
-    for index, (at, samples) in enumerate(arrivals):
-        if at > played_until:
-            stall_s += at - played_until
-            stalls += 1
-            where.append(index)
-            played_until = at
-        played_until += samples / SAMPLE_RATE
-    audio_s = sum(n for _, n in arrivals) / SAMPLE_RATE
-    return Stream((start - sent_at) * 1000.0, audio_s, (arrivals[-1][0] - sent_at) / audio_s, stall_s, stalls,
-                  tuple(where))
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on)
+
+    def _on(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.ms.append(1000 * (time.perf_counter() - self._began))
 
 
 # -- clients (their own process) -------------------------------------------------------------------------
@@ -273,12 +264,13 @@ def main(argv: list[str] | None = None) -> int:
                 seed0 = 1000 * (args.rounds * number + round_ + 1)
                 before = engine.stats
                 engine.trace(True)
-                got = clients.submit(run_clients, server.ws_url, conc, TEXT, initial, seed0).result()["streams"]
+                with GcPauses() as pauses:
+                    got = clients.submit(run_clients, server.ws_url, conc, TEXT, initial, seed0).result()["streams"]
                 trace = engine.trace(False)
                 after = engine.stats
                 raw = server.call(lambda c=conc, n=number, r=round_: raw_talker(engine, c, TEXT, f"m{n}r{r}"),
                                   timeout=600)
-                streams = [play(sent, arrivals) for sent, arrivals, _ in got]
+                streams = [play(sent, arrivals, SAMPLE_RATE) for sent, arrivals, _ in got]
                 first_sent = min(sent for sent, _, _ in got)
                 last_byte = max(arrivals[-1][0] for _, arrivals, _ in got)
                 split = stages(got, trace, seed0)
@@ -299,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                     "codec_batches": a.batches - b.batches, "codec_windows": a.windows - b.windows,
                     "codec_decode_s": a.decode_s - b.decode_s, "codec_max_decode_ms": a.max_decode_ms,
                     "codec_late_windows": a.late - b.late, "codec_max_batch": a.max_batch,
-                    "codec_fallbacks": codec.fallbacks, "peak_running": after.peak_running,
+                    "codec_fallbacks": codec.fallbacks, "peak_running": after.steps.peak_running,
+                    "gc_pauses_ms": pauses.ms,
                 }
                 results["levels"].append(level)
                 rounds.append(level)
@@ -315,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                              ",".join(f"#{k}:{v}" for k, v in sorted(stall_at.items())) or "-",
                              f"{level['audio_s_per_wall_s']:.1f}",
                              f"{level['codec_windows'] / max(level['codec_batches'], 1):.1f}",
-                             f"{1000 * level['codec_decode_s'] / max(level['codec_batches'], 1):.1f}"])
+                             f"{1000 * level['codec_decode_s'] / max(level['codec_batches'], 1):.1f}",
+                             f"{len(pauses.ms)} (max {max(pauses.ms, default=0.0):.1f} ms)"])
                 stage_rows.append([f"{label} r{round_ + 1}",
                                    *(f"{percentile(split[name], 50):.1f}" for name, _, _ in STAGES),
                                    f"{percentile(level['server_first_audio_ms'], 50):.1f}"])
@@ -331,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     server.stop()
     header = ["conc", "TTFA p50 / p95 ms", "raw talker 1st frame p50 ms", "TTFA / raw", "RTF p50",
               "raw talker RTF p50", "streams with a stall", "total stall s", "stalls at chunk #:streams",
-              "audio s per wall s", "chunks per codec batch", "ms per codec batch"]
+              "audio s per wall s", "chunks per codec batch", "ms per codec batch",
+              "server GC pauses"]
     print(table(header, rows))
     print()
     print("first-chunk stages, p50 ms:")
@@ -344,11 +339,6 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "talker_gpu.json").write_text(json.dumps(results, indent=1))
     return 0
-
-
-def spread(values: list[float], fmt: str = "{:.0f}") -> str:
-    """`median [min-max]` of one figure over rounds."""
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
 
 
 def _cuda() -> bool:

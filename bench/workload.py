@@ -14,16 +14,18 @@ import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import aiohttp
 from voicewire.protocol.segmenter import Segmenter, SplitGranularity
 
-from tests.server import free_port
+from tests.server import Loopback, free_port
 
 SENTENCES: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog.",
@@ -84,6 +86,43 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+def spread(values: Sequence[float], fmt: str = "{:.0f}") -> str:
+    """`median [min-max]` of one figure over rounds."""
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """One client's view of one streamed utterance (`play`)."""
+
+    ttfa_ms: float
+    audio_s: float
+    rtf: float
+    stall_s: float
+    stalls: int
+    stall_chunks: tuple[int, ...] = ()
+
+
+def play(sent_at: float, arrivals: Sequence[tuple[float, int]], rate: int) -> Stream:
+    """Replay arrivals (time, samples at `rate` Hz), at least one, through a player that starts at the first
+    byte: whenever a chunk arrives after the audio before it has finished playing, the gap is a stall, and
+    playback resumes from there. TTFA is from `sent_at` to the first arrival; the real-time factor is (last
+    arrival - `sent_at`) / audio seconds."""
+    start = arrivals[0][0]
+    played_until = start
+    stall_s, stalls, where = 0.0, 0, []
+    for index, (at, samples) in enumerate(arrivals):
+        if at > played_until:
+            stall_s += at - played_until
+            stalls += 1
+            where.append(index)
+            played_until = at
+        played_until += samples / rate
+    audio_s = sum(n for _, n in arrivals) / rate
+    return Stream((start - sent_at) * 1000.0, audio_s, (arrivals[-1][0] - sent_at) / audio_s, stall_s, stalls,
+                  tuple(where))
+
+
 def utterance(rng: random.Random, sentences: int) -> str:
     """`sentences` distinct random sentences joined into one reply."""
     return " ".join(rng.sample(SENTENCES, sentences))
@@ -108,7 +147,7 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-class ServerProcess:
+class ServerProcess(Loopback):
     """`python -m voicewire.realtime --no-auth` on a free loopback port, its log in a temporary file; admission
     by capacity is off (benchmarks load the engine past it on purpose).
 
@@ -125,14 +164,6 @@ class ServerProcess:
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
                                      preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         self.pid = self.proc.pid
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/audio/speech/stream"
 
     async def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout

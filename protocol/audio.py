@@ -44,7 +44,7 @@ __all__ = [
     "wav_header",
 ]
 
-AudioFormat = Literal["pcm", "wav", "mulaw", "alaw", "flac", "mp3", "opus"]
+AudioFormat = Literal["pcm", "wav", "mulaw", "alaw", "flac", "mp3", "opus", "aac"]
 RawFormat = Literal["pcm", "mulaw", "alaw"]
 
 STREAMABLE_FORMATS: Final[frozenset[str]] = frozenset({"pcm", "wav", "mulaw", "alaw"})
@@ -58,6 +58,7 @@ CONTENT_TYPES: Final[dict[str, str]] = {
     "flac": "audio/flac",
     "mp3": "audio/mpeg",
     "opus": "audio/ogg",
+    "aac": "audio/aac",
 }
 
 _PCM16_SCALE: Final = 32767.0

@@ -31,17 +31,12 @@ import numpy as np
 import soundfile as sf
 from av.audio.stream import AudioStream
 from av.container import OutputContainer
-from voicewire.protocol.audio import CONTENT_TYPES, codec_rate, encode_pcm16, wav_header
+from voicewire.protocol.audio import CONTENT_TYPES, AudioFormat, codec_rate, encode_pcm16, wav_header
 
-EncoderFormat = Literal["pcm", "wav", "mulaw", "alaw", "flac", "mp3", "opus", "aac"]
-"""Every format an encoder makes: the WebSocket's `AudioFormat` and REST's `RestFormat` together."""
 RestFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 REST_FORMATS: Final[tuple[str, ...]] = get_args(RestFormat)
 
-REST_CONTENT_TYPES: Final[dict[str, str]] = {
-    **{fmt: CONTENT_TYPES[fmt] for fmt in ("mp3", "opus", "flac", "wav", "pcm")},
-    "aac": "audio/aac",
-}
+REST_CONTENT_TYPES: Final[dict[str, str]] = {fmt: CONTENT_TYPES[fmt] for fmt in REST_FORMATS}
 
 STREAMING_FORMATS: Final[frozenset[str]] = frozenset({"pcm", "wav", "mp3", "opus", "aac"})
 """Formats whose bytes can leave before the last sample is known."""
@@ -59,7 +54,7 @@ _OGG_PAGE_US: Final = "20000"
 class StreamEncoder(Protocol):
     """Turns s16le mono PCM into one file of `format`; see the module docstring for the contract."""
 
-    format: EncoderFormat
+    format: AudioFormat
     sample_rate: int
 
     def encode(self, pcm: bytes) -> bytes: ...
@@ -74,7 +69,7 @@ class RawEncoder:
     """Headerless samples: s16 PCM passes through, `mulaw`/`alaw` are re-encoded sample by sample."""
 
     def __init__(self, fmt: Literal["pcm", "mulaw", "alaw"], sample_rate: int) -> None:
-        self.format: EncoderFormat = fmt
+        self.format: AudioFormat = fmt
         self._raw = fmt
         self.sample_rate = sample_rate
 
@@ -92,7 +87,7 @@ class WavEncoder:
     """WAV: streaming (unknown-size header first) or whole-file (exact header at `finish`)."""
 
     def __init__(self, sample_rate: int, *, streaming: bool) -> None:
-        self.format: EncoderFormat = "wav"
+        self.format: AudioFormat = "wav"
         self.sample_rate = sample_rate
         self._streaming = streaming
         self._header_sent = False
@@ -122,7 +117,7 @@ class FlacEncoder:
     """FLAC through libsndfile, as one whole file at `finish`."""
 
     def __init__(self, sample_rate: int) -> None:
-        self.format: EncoderFormat = "flac"
+        self.format: AudioFormat = "flac"
         self.sample_rate = sample_rate
         self._held: list[bytes] = []
 
@@ -164,7 +159,7 @@ class PyAVEncoder:
     def __init__(self, fmt: Literal["mp3", "opus", "aac"], sample_rate: int) -> None:
         if codec_rate(fmt, sample_rate) != sample_rate:
             raise ValueError(f"{fmt} cannot code {sample_rate} Hz; use codec_rate()")
-        self.format: EncoderFormat = fmt
+        self.format: AudioFormat = fmt
         self.sample_rate = sample_rate
         container_format, codec, bit_rate = _PYAV[fmt]
         self._sink = _Sink()
@@ -200,7 +195,7 @@ class PyAVEncoder:
             self._container.close()
 
 
-def make_encoder(fmt: EncoderFormat, sample_rate: int, *, streaming: bool) -> StreamEncoder:
+def make_encoder(fmt: AudioFormat, sample_rate: int, *, streaming: bool) -> StreamEncoder:
     """An encoder for `fmt` at `sample_rate` (already a `codec_rate`). `streaming=False` only changes
     `wav` (exact header); `flac` is always whole-file and the PyAV formats always stream."""
     if fmt == "pcm" or fmt == "mulaw" or fmt == "alaw":

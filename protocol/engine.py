@@ -46,11 +46,17 @@ class AudioPiece:
 
     `words` holds the spans whose audio ends inside this piece or earlier pieces of the same unit and
     were not reported before; an engine without word timings leaves it empty.
+
+    `input_audio_tokens`: the reference-audio codec tokens the engine put into the model's prompt for the
+    unit (voice-cloning conditioning; vllm-omni's usage `input_token_details.audio_tokens`), reported
+    once, on the unit's first piece; 0 on the other pieces, and on every piece of an engine that feeds no
+    reference audio.
     """
 
     samples: FloatAudio
     sample_rate: int
     words: tuple[WordSpan, ...] = ()
+    input_audio_tokens: int = 0
 
 
 SPEED_MIN: Final = 0.25
@@ -113,6 +119,21 @@ def speech_params(source: SpeechParams) -> SpeechParams:
     return SpeechParams(**speech_fields(source))
 
 
+class VoiceSample(msgspec.Struct, frozen=True):
+    """Reference audio for a cloning engine, decoded by the server: mono float32 samples in native byte
+    order (`pcm`) at `sample_rate`. Bytes rather than an array, so a request stays plain data."""
+
+    pcm: bytes
+    sample_rate: int
+
+    @classmethod
+    def of(cls, samples: FloatAudio, sample_rate: int) -> VoiceSample:
+        return cls(np.ascontiguousarray(samples, dtype=np.float32).tobytes(), int(sample_rate))
+
+    def samples(self) -> FloatAudio:
+        return np.frombuffer(self.pcm, dtype=np.float32)
+
+
 class SynthesisRequest(SpeechParams, kw_only=True, frozen=True):
     """One unit to synthesize: its text, the engine voice, and every `SpeechParams` field as accepted.
 
@@ -120,11 +141,16 @@ class SynthesisRequest(SpeechParams, kw_only=True, frozen=True):
     time-stretch beyond it. `seed`, when set, makes the audio of the same request reproducible. Fields
     the engine does not name in `EngineCapabilities.fields` are always None here (they were refused).
     `request_id` is unique per server and is what the engine logs and aborts by.
+
+    `reference` is set for cloning engines (`EngineCapabilities.voice_cloning`) only: the request's
+    `ref_audio` decoded, or the uploaded voice `voice` names (then `ref_text` is the voice's stored
+    transcript unless the request gave one, and `x_vector_only_mode` is true when there is none).
     """
 
     request_id: str
     text: str
     voice: str
+    reference: VoiceSample | None = None
 
 
 WHOLE_UNIT_VALUES: Final[Mapping[str, tuple[object, ...]]] = {
@@ -179,6 +205,26 @@ def unhonoured(params: SpeechParams, capabilities: EngineCapabilities) -> tuple[
     return None
 
 
+def conflicting_voice_source(params: SpeechParams, uploaded_voice: str | None) -> tuple[str, str] | None:
+    """The field of `params` that clashes with another source of the cloned voice, and why; None when there
+    is no clash. `speaker_embedding` is a whole voice by itself (vllm-omni's x-vector), so it cannot be
+    combined with `ref_audio` nor with the uploaded voice `uploaded_voice` (the request's `voice`, when it
+    names one): vllm-omni takes them as mutually exclusive, and no engine here picks one silently."""
+    if not params.speaker_embedding:
+        return None
+    if params.ref_audio:
+        return "speaker_embedding", "cannot be combined with ref_audio; send one voice source, not both"
+    if uploaded_voice is not None:
+        return "speaker_embedding", (f"cannot be combined with voice {uploaded_voice!r} (an uploaded voice); "
+                                     "send one voice source, not both")
+    return None
+
+
+def default_task_type(capabilities: EngineCapabilities) -> str:
+    """The vllm-omni task an engine runs when a request names none: the first it serves."""
+    return str(capabilities.values.get("task_type", WHOLE_UNIT_VALUES["task_type"])[0])
+
+
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
     """Static facts about a started engine, published to clients in `session.updated.engine`."""
@@ -210,6 +256,12 @@ class UnitTimeout(EngineError):
     """A unit's engine work ran past the server's per-unit limit (`unit_timeout_s`); it was cancelled."""
 
     code = "unit_timeout"
+
+
+class UnitTooLong(EngineError):
+    """A unit's audio ran past the server's per-unit limit (`max_unit_audio_s`); it was stopped."""
+
+    code = "unit_too_long"
 
 
 def failure_of(exc: BaseException) -> tuple[str, str]:

@@ -12,32 +12,65 @@ fields have non-None defaults or are always set).
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
+import msgspec.inspect
 from voicewire.protocol.audio import AudioFormat
 from voicewire.protocol.engine import SpeechParams
 from voicewire.protocol.segmenter import SplitGranularity
 
 AudioFrames = Literal["binary", "json"]
+StreamingMode = Literal["token_level"]
+"""vllm-omni's `streaming_mode` values: `token_level`, text streamed into the engine as it arrives. Here it
+is the session's own text streaming (`protocol.session.resolve_config`); a WebSocket field only, as in
+vllm-omni (REST refuses it: a request's text is whole)."""
 
 SAMPLE_RATE_MIN: Final = 8000
 SAMPLE_RATE_MAX: Final = 48000
+ECHO_CHARS: Final = 80
+"""How much of a client's value an error message quotes (`echo`)."""
+ERROR_MESSAGE_CHARS: Final = 1000
+"""Longest error message, WebSocket or REST (`clip`); msgspec's texts quote values too."""
 
 
-class ProtocolError(Exception):
-    """A client mistake. `code` is stable and documented; `message` is for humans; `fatal` closes.
-    `reason`, when set, is a finer stable code for REST's twin of the error (`model_not_found`,
-    `voice_not_found`); the WebSocket sends `code` only."""
+def clip(text: str, limit: int = ERROR_MESSAGE_CHARS) -> str:
+    """`text` cut to about `limit` characters, keeping its start and its end (where msgspec names the
+    field) and saying how much was left out: an error never sends a client's megabytes back."""
+    if len(text) <= limit:
+        return text
+    keep = limit // 2
+    return f"{text[:keep]}…[{len(text) - 2 * keep} characters]…{text[-keep:]}"
 
-    def __init__(self, code: str, message: str, *, fatal: bool = False, param: str | None = None,
-                 reason: str | None = None) -> None:
+
+def echo(value: object) -> str:
+    """How an error message quotes a value a client sent: its repr, clipped to `ECHO_CHARS`."""
+    return clip(repr(value), ECHO_CHARS)
+
+
+class ReportedError(Exception):
+    """An error a client is told about, on either surface: a stable, documented `code`; a `message` for
+    humans, clipped to `ERROR_MESSAGE_CHARS` (it may quote what the client sent); the request field at
+    fault (`param`), if one is."""
+
+    def __init__(self, code: str, message: str, param: str | None) -> None:
+        message = clip(message)
         super().__init__(message)
         self.code = code
         self.message = message
-        self.fatal = fatal
         self.param = param
+
+
+class ProtocolError(ReportedError):
+    """A client mistake; `fatal` closes. `reason`, when set, is a finer stable code for REST's twin of the
+    error (`model_not_found`, `voice_not_found`); the WebSocket sends `code` only."""
+
+    def __init__(self, code: str, message: str, *, fatal: bool = False, param: str | None = None,
+                 reason: str | None = None) -> None:
+        super().__init__(code, message, param)
+        self.fatal = fatal
         self.reason = reason
 
 
@@ -59,6 +92,7 @@ class SessionConfig(SpeechParams, tag="session.config", tag_field="type", kw_onl
     max_buffer_delay_ms: Annotated[int, msgspec.Meta(ge=0, le=5000)] = 0
     word_timestamps: bool = False
     audio_frames: AudioFrames | None = None
+    streaming_mode: StreamingMode | None = None
 
 
 class InputText(msgspec.Struct, tag="input.text", tag_field="type", kw_only=True):
@@ -78,11 +112,32 @@ class SessionClose(msgspec.Struct, tag="session.close", tag_field="type", kw_onl
     pass
 
 
-ClientMessage = SessionConfig | InputText | InputDone | InputCancel | SessionClose
-CLIENT_MESSAGE_TYPES: Final = ("session.config", "input.text", "input.done", "input.cancel", "session.close")
+class SessionAck(msgspec.Struct, tag="session.ack", tag_field="type", kw_only=True):
+    """The client received every server frame up to `seq` (see `protocol.resume`); the first one makes the
+    session resumable."""
+
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class SessionResume(msgspec.Struct, tag="session.resume", tag_field="type", kw_only=True):
+    """First message of a connection that resumes `session_id`: `token` from its `session.updated`, `seq`
+    the number of the last server frame the client received."""
+
+    session_id: str
+    token: str
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+
+
+ClientMessage = SessionConfig | InputText | InputDone | InputCancel | SessionClose | SessionAck | SessionResume
+CLIENT_MESSAGE_TYPES: Final = ("session.config", "input.text", "input.done", "input.cancel", "session.close",
+                               "session.ack", "session.resume")
 
 _decoder: Final = msgspec.json.Decoder(ClientMessage)
-_raw_decoder: Final = msgspec.json.Decoder()
+_raw_decoder: Final = msgspec.json.Decoder(float_hook=float)
+"""Untyped, to classify a refused message. With an explicit `float_hook` a number too large for a float
+(1e400) decodes as inf instead of failing this decode too."""
+_UNLOCATED: Final = "`$[...]`"
+"""What msgspec says instead of a path when a number inside a tagged union overflows."""
 
 
 def decode_client_message(data: str | bytes) -> ClientMessage:
@@ -109,13 +164,30 @@ _FIELD_AT: Final = re.compile(r" - at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 _MISSING_FIELD: Final = re.compile(r"missing required field `([^`]+)`")
 
 
-def invalid_field(exc: msgspec.ValidationError) -> tuple[str | None, str]:
+def invalid_field(exc: msgspec.ValidationError, raw: Any = None) -> tuple[str | None, str]:
     """(param, detail) of a msgspec validation error: the top-level request field it is about (the first
     component of its path, else the missing field; None when it names neither) and msgspec's own text.
-    The one reading of msgspec's messages, for the WebSocket and REST decoders alike."""
+    The one reading of msgspec's messages, for the WebSocket and REST decoders alike. `raw`, the same
+    input decoded untyped by a `float_hook=float` decoder, locates a number too large for a float where
+    msgspec's text has no path for it (inside a tagged union)."""
     detail = str(exc)
+    if _UNLOCATED in detail and raw is not None:
+        detail = detail.replace(_UNLOCATED, f"`{overflow_path(raw) or '$'}`")
     match = _FIELD_AT.search(detail) or _MISSING_FIELD.search(detail)
     return (match.group(1) if match else None), detail
+
+
+def valid_values(struct: type[msgspec.Struct], field: str | None) -> str:
+    """`"; valid values: a, b"` when `field` of `struct` takes a fixed set of strings (a `Literal`, optional
+    or not), else `""`: appended to a field error so a client sees what it may send."""
+    described = msgspec.inspect.type_info(struct)
+    fields = described.fields if isinstance(described, msgspec.inspect.StructType) else ()
+    for info in fields:
+        if info.name == field:
+            kinds = info.type.types if isinstance(info.type, msgspec.inspect.UnionType) else (info.type,)
+            values = [str(v) for kind in kinds if isinstance(kind, msgspec.inspect.LiteralType) for v in kind.values]
+            return f"; valid values: {', '.join(values)}" if values else ""
+    return ""
 
 
 def _classify(data: str | bytes, exc: msgspec.ValidationError) -> ProtocolError:
@@ -127,13 +199,29 @@ def _classify(data: str | bytes, exc: msgspec.ValidationError) -> ProtocolError:
         return ProtocolError("invalid_message", "WebSocket messages must be JSON objects")
     kind = raw.get("type")
     if kind not in CLIENT_MESSAGE_TYPES:
-        return ProtocolError("unknown_type", f"Unknown message type: {kind}")
-    field, detail = invalid_field(exc)
+        return ProtocolError("unknown_type", f"Unknown message type: {clip(str(kind), ECHO_CHARS)}")
+    field, detail = invalid_field(exc, raw)
     if kind == "session.config":
-        return ProtocolError("invalid_config", f"Invalid session config: {detail}", param=field)
+        return ProtocolError("invalid_config", f"Invalid session config: {detail}{valid_values(SessionConfig, field)}",
+                             param=field)
     if kind == "input.text" and field == "text":
         return ProtocolError("invalid_text", "input.text requires a string value", param="text")
     return ProtocolError("invalid_message", f"Invalid {kind}: {detail}")
+
+
+def overflow_path(value: Any) -> str | None:
+    """The JSON path (`$.speed`, `$.items[2].speed`) of the first number in an untyped decode that was too
+    large for a float (decoded as inf by a `float_hook=float` decoder), or None."""
+    stack: list[tuple[str, Any]] = [("$", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, float) and math.isinf(item):
+            return path
+        if isinstance(item, dict):
+            stack.extend((f"{path}.{key}", child) for key, child in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{index}]", child) for index, child in reversed(list(enumerate(item))))
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,6 +244,13 @@ class Limits(msgspec.Struct, kw_only=True):
     max_sessions_per_ip: int
     rest_requests_per_minute: float
     unit_timeout_s: float
+    max_unit_audio_s: float
+    max_response_audio_s: float
+    resume_window_s: float
+    """How long a session whose connection dropped waits for `session.resume` (0: sessions never wait)."""
+    replay_buffer_bytes: int
+    """Server frames kept per session for a resume; a resumable session pauses its synthesis past it until
+    the client acknowledges (`session.ack`) or resumes."""
 
 
 class EngineDescription(msgspec.Struct, kw_only=True):
@@ -188,7 +283,9 @@ class EffectiveConfig(msgspec.Struct, kw_only=True):
     max_new_tokens: int | None
     initial_codec_chunk_frames: int | None
     task_type: str
-    """vllm-omni's task: `CustomVoice` (a predefined voice) unless the engine can clone."""
+    """vllm-omni's task: as asked, else the engine's own (`CustomVoice`, `VoiceDesign` or `Base`)."""
+    streaming_mode: StreamingMode | None = None
+    """As asked; `token_level` shows in `split_granularity` and `stream_audio` (see `resolve_config`)."""
 
 
 class SessionUpdated(msgspec.Struct, tag="session.updated", tag_field="type", kw_only=True):
@@ -196,6 +293,20 @@ class SessionUpdated(msgspec.Struct, tag="session.updated", tag_field="type", kw
     config: EffectiveConfig
     limits: Limits
     engine: EngineDescription
+    resume_token: str
+    """Secret that lets a new connection of the same API key resume this session (`session.resume`)."""
+
+
+class SessionResumed(msgspec.Struct, tag="session.resumed", tag_field="type", kw_only=True):
+    """Answers a successful `session.resume`, outside the frame numbering: the frames after `seq` follow
+    (`replay_frames` of them, `replay_bytes` long), then the live stream; `input_seq` client messages were
+    applied, so the client resends those after it."""
+
+    session_id: str
+    seq: int
+    input_seq: int
+    replay_frames: int
+    replay_bytes: int
 
 
 class AudioStart(msgspec.Struct, tag="audio.start", tag_field="type", kw_only=True, omit_defaults=True):
@@ -285,7 +396,7 @@ class ErrorEvent(msgspec.Struct, tag="error", tag_field="type", kw_only=True, om
 
 ServerEvent = (
     SessionUpdated | AudioStart | AudioChunk | AudioWords | AudioDone | SessionDone | AudioCancelled
-    | ErrorEvent
+    | ErrorEvent | SessionResumed
 )
 
 _encoder: Final = msgspec.json.Encoder()
@@ -294,6 +405,11 @@ _encoder: Final = msgspec.json.Encoder()
 def encode_event(event: ServerEvent) -> str:
     """Render one server event as the text of a WebSocket text frame."""
     return _encoder.encode(event).decode()
+
+
+def encode_event_bytes(event: ServerEvent) -> bytes:
+    """`encode_event` as UTF-8 bytes (what `protocol.resume.stamp` numbers)."""
+    return _encoder.encode(event)
 
 
 def error_event(exc: ProtocolError, *, fatal: bool | None = None) -> ErrorEvent:

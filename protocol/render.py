@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from voicewire.protocol.audio import AudioFormat, StreamResampler, float_to_pcm16, time_stretch
+from voicewire.protocol.audio import STREAMABLE_FORMATS, AudioFormat, StreamResampler, float_to_pcm16, time_stretch
 from voicewire.protocol.encoders import make_encoder
 from voicewire.protocol.engine import (
     AudioPiece,
@@ -23,6 +23,7 @@ from voicewire.protocol.engine import (
     FloatAudio,
     SpeechParams,
     SynthesisRequest,
+    VoiceSample,
     WordSpan,
     speech_fields,
 )
@@ -44,6 +45,13 @@ class RenderPlan:
     engine_speed: float
     stretch: float
 
+    @property
+    def costly(self) -> bool:
+        """Whether rendering does more than convert samples: a time-stretch, a resample or a compressed
+        encoder (milliseconds of CPU per piece and more; `realtime` runs such feeds off its event loop)."""
+        return (self.stretch != 1.0 or self.native_rate != self.output_rate
+                or self.response_format not in STREAMABLE_FORMATS)
+
 
 def plan_speed(speed: float, native_range: tuple[float, float]) -> tuple[float, float]:
     """Split a requested speed into (engine speed, extra time-stretch factor)."""
@@ -61,6 +69,8 @@ class RenderedPiece:
     samples: int
     words: list[tuple[int, int, float, float]] = field(default_factory=list)
     """(char_start, char_end, start_ms, end_ms) on the unit timeline, char offsets into the unit text."""
+    input_audio_tokens: int = 0
+    """The engine piece's `AudioPiece.input_audio_tokens` (usage), passed on even when `data` is held."""
 
 
 class UnitRenderer:
@@ -89,7 +99,7 @@ class UnitRenderer:
         if self.plan.stretch != 1.0:
             audio = time_stretch(audio, self.plan.native_rate, self.plan.stretch)
         audio = self._resampler.process(audio)
-        return self._emit(audio, words)
+        return self._emit(audio, words, piece.input_audio_tokens)
 
     def finish(self) -> RenderedPiece:
         """The rest of the unit (for a non-streaming unit: the whole file and all its samples)."""
@@ -109,15 +119,16 @@ class UnitRenderer:
         self._held.clear()
         self._encoder.close()
 
-    def _emit(self, audio: FloatAudio, words: list[tuple[int, int, float, float]]) -> RenderedPiece:
+    def _emit(self, audio: FloatAudio, words: list[tuple[int, int, float, float]],
+              input_audio_tokens: int = 0) -> RenderedPiece:
         self.output_samples += len(audio)
         data = self._encoder.encode(float_to_pcm16(audio))
         if not self.plan.stream:
             self._held.append(data)
             self._held_samples += len(audio)
-            return RenderedPiece(b"", 0, words)
+            return RenderedPiece(b"", 0, words, input_audio_tokens)
         self.output_bytes += len(data)
-        return RenderedPiece(data, len(audio), words)
+        return RenderedPiece(data, len(audio), words, input_audio_tokens)
 
     def _words(self, spans: tuple[WordSpan, ...]) -> list[tuple[int, int, float, float]]:
         scale = 1000.0 / (self.plan.native_rate * self.plan.stretch)
@@ -143,10 +154,11 @@ def render_plan(config: EffectiveConfig, info: EngineInfo, *, stream: bool | Non
 
 
 def synthesis_request(request_id: str, text: str, config: EffectiveConfig, params: SpeechParams,
-                      plan: RenderPlan) -> SynthesisRequest:
+                      plan: RenderPlan, reference: VoiceSample | None = None) -> SynthesisRequest:
     """The engine request for one unit: `params` as accepted (`resolve_config` refused what the engine
-    cannot honour), the resolved voice of `config` and the engine's share of the speed (`plan`)."""
-    return SynthesisRequest(request_id=request_id, text=text, voice=config.voice,
+    cannot honour), the resolved voice of `config`, the engine's share of the speed (`plan`) and the
+    decoded `ref_audio` (`reference`)."""
+    return SynthesisRequest(request_id=request_id, text=text, voice=config.voice, reference=reference,
                             **{**speech_fields(params), "speed": plan.engine_speed})
 
 

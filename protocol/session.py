@@ -18,9 +18,18 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
 
 from voicewire.protocol.audio import STREAMABLE_FORMATS, codec_rate
-from voicewire.protocol.engine import EngineInfo, SpeechParams, speech_params, unhonoured
+from voicewire.protocol.engine import (
+    EngineInfo,
+    SpeechParams,
+    VoiceSample,
+    conflicting_voice_source,
+    default_task_type,
+    speech_params,
+    unhonoured,
+)
 from voicewire.protocol.messages import (
     ClientMessage,
     EffectiveConfig,
@@ -34,9 +43,10 @@ from voicewire.protocol.messages import (
     SessionClose,
     SessionConfig,
     SessionUpdated,
+    echo,
     error_event,
 )
-from voicewire.protocol.segmenter import Segment, Segmenter
+from voicewire.protocol.segmenter import Segment, Segmenter, SplitGranularity
 
 
 class State(enum.Enum):
@@ -45,6 +55,10 @@ class State(enum.Enum):
     """Configured, no utterance open (earlier ones may still be draining)."""
     UTTERANCE_OPEN = "utterance_open"
     CLOSED = "closed"
+
+    # Members are singletons compared by identity: hash them by identity too, in C (Enum's own __hash__ is
+    # Python code, run on every client message by the `_LEGAL` lookup).
+    __hash__ = object.__hash__
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +105,8 @@ class Unit:
     """The engine's request fields as the config gave them (checked against the engine's capabilities)."""
     context_id: str | None
     committed_ms: float
+    reference: VoiceSample | None = None
+    """`params.ref_audio` decoded (by the runtime, once per config or request), for a cloning engine."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,12 +173,16 @@ class _Utterance:
 class SessionMachine:
     """Legality, config, segmentation and numbering for one WebSocket session (see module doc)."""
 
-    def __init__(self, facts: ServerFacts, session_id: str) -> None:
+    def __init__(self, facts: ServerFacts, session_id: str, resume_token: str = "") -> None:
         self.facts = facts
         self.session_id = session_id
+        self.resume_token = resume_token
+        """Echoed in every `session.updated` (see `protocol.resume`)."""
         self.state = State.AWAITING_CONFIG
         self.config: EffectiveConfig | None = None
         self.params = SpeechParams()
+        self.reference: VoiceSample | None = None
+        """The config's `ref_audio` decoded (`receive`'s `reference`), carried by every unit."""
         self._segmenter: Segmenter | None = None
         self._open: _Utterance | None = None
         self._draining: dict[int, _Utterance] = {}
@@ -170,15 +190,18 @@ class SessionMachine:
 
     # -- inputs ---------------------------------------------------------------------------------
 
-    def receive(self, msg: ClientMessage, now_ms: float) -> list[Action]:
-        """Apply one decoded client message. Raises nothing: refusals become `error` actions."""
+    def receive(self, msg: ClientMessage, now_ms: float, *, reference: VoiceSample | None = None) -> list[Action]:
+        """Apply one decoded client message. Raises nothing: refusals become `error` actions.
+
+        `reference`: a `SessionConfig`'s `ref_audio`, decoded by the runtime before the message comes here
+        (this machine does no I/O; audio that does not decode is refused there, naming `ref_audio`)."""
         kind = message_type(msg)
         if kind not in _LEGAL[self.state]:
             return self._illegal(kind)
         try:
             match msg:
                 case SessionConfig():
-                    return self._configure(msg)
+                    return self._configure(msg, reference)
                 case InputText():
                     return self._text(msg, now_ms)
                 case InputDone():
@@ -191,6 +214,10 @@ class SessionMachine:
         except ProtocolError as exc:
             return self.protocol_error(exc)
         raise AssertionError(kind)
+
+    def legal(self, msg: ClientMessage) -> bool:
+        """Whether `msg` may come now (`receive` refuses it otherwise, whatever it holds)."""
+        return message_type(msg) in _LEGAL[self.state]
 
     def protocol_error(self, exc: ProtocolError) -> list[Action]:
         """Turn a client mistake into actions; before the first config every mistake is fatal."""
@@ -235,9 +262,10 @@ class SessionMachine:
         assert self.state is State.CLOSED, (self.state, kind)
         return []
 
-    def _configure(self, msg: SessionConfig) -> list[Action]:
+    def _configure(self, msg: SessionConfig, reference: VoiceSample | None) -> list[Action]:
         self.config = resolve_config(msg, self.facts)
         self.params = speech_params(msg)
+        self.reference = reference
         self._segmenter = Segmenter(
             self.config.split_granularity,
             max_buffer_delay_ms=self.config.max_buffer_delay_ms,
@@ -245,7 +273,8 @@ class SessionMachine:
         )
         self.state = State.READY
         return [Send(SessionUpdated(session_id=self.session_id, config=self.config,
-                                    limits=self.facts.limits, engine=self.facts.engine))]
+                                    limits=self.facts.limits, engine=self.facts.engine,
+                                    resume_token=self.resume_token))]
 
     def _text(self, msg: InputText, now_ms: float) -> list[Action]:
         assert self._segmenter is not None
@@ -258,10 +287,12 @@ class SessionMachine:
         elif msg.context_id is not None and msg.context_id != utt.context_id:
             raise ProtocolError(
                 "context_mismatch",
-                f"input.text for context {msg.context_id!r} while context {utt.context_id!r} is open; "
+                f"input.text for context {echo(msg.context_id)} while context {echo(utt.context_id)} is open; "
                 "send input.done or input.cancel for it first")
         limit = self.facts.limits.max_utterance_chars
-        waiting = utt.text_chars + sum(u.text_chars for u in self._draining.values())
+        waiting = utt.text_chars
+        if self._draining:
+            waiting += sum(u.text_chars for u in self._draining.values())
         if waiting + len(msg.text) > limit:
             raise ProtocolError(
                 "utterance_too_large",
@@ -280,7 +311,7 @@ class SessionMachine:
         elif context_id is not None and context_id != utt.context_id:
             raise ProtocolError(
                 "context_mismatch",
-                f"input.done for context {context_id!r} while context {utt.context_id!r} is open")
+                f"input.done for context {echo(context_id)} while context {echo(utt.context_id)} is open")
         else:
             actions = self._units(self._segmenter.flush(), now_ms)
         self._open = None
@@ -313,33 +344,55 @@ class SessionMachine:
             actions.append(Synthesize(Unit(
                 utterance_index=utt.index, sentence_index=utt.units, text=text,
                 char_start=start, char_end=start + len(text), config=self.config, params=self.params,
-                context_id=utt.context_id, committed_ms=now_ms)))
+                context_id=utt.context_id, committed_ms=now_ms, reference=self.reference)))
             utt.units += 1
         return actions
+
+
+TOKEN_LEVEL_SPLIT: Final[SplitGranularity] = "sentence"
+"""The units of vllm-omni's `streaming_mode: "token_level"` when the config asks for none.
+
+vllm-omni's token-level mode starts one engine request once some text has come and feeds it the rest as
+it arrives, so audio starts before the text ends. No engine here takes a growing text, so the session
+streams text into units instead: `sentence` units, the first of which goes at its first comma once it has
+three words (the segmenter's fast first unit), so the first audio waits for a clause, not for
+`input.done`; each later unit is a whole sentence, which keeps its prosody whole. Audio is streamed as it
+is synthesized (`stream_audio`), as vllm-omni streams it in that mode. A config that names
+`split_granularity` `sentence` or `clause` keeps it."""
 
 
 def resolve_config(msg: SessionConfig, facts: ServerFacts) -> EffectiveConfig:
     """Apply defaults and check every field against what the engine can honour.
 
     Raises `ProtocolError("invalid_config", ...)` naming the field; never ignores a field silently: the
-    engine's request fields are checked against its capabilities by `engine.unhonoured`, the one place
-    that decides for the WebSocket and REST alike. The accepted engine fields are `speech_params(msg)`.
+    engine's request fields are checked against its capabilities by `engine.unhonoured`, and the voice
+    sources against each other by `engine.conflicting_voice_source`, the one place that decides for the
+    WebSocket and REST alike. The accepted engine fields are `speech_params(msg)`.
     """
     engine = facts.engine
     model = msg.model if msg.model is not None else engine.name
     if model not in facts.model_names:
-        raise _bad("model", f"unknown model {model!r}; this server serves {', '.join(sorted(facts.model_names))}",
+        raise _bad("model", f"unknown model {echo(model)}; this server serves {', '.join(sorted(facts.model_names))}",
                    reason="model_not_found")
     requested = msg.voice if msg.voice is not None else msg.speaker
     voice = resolve_voice(requested, facts)
     language = msg.language
     if language is not None and language.lower() not in facts.languages:
-        raise _bad("language", f"language {language!r} is not supported by engine {engine.name}; "
+        raise _bad("language", f"language {echo(language)} is not supported by engine {engine.name}; "
                    f"supported: {', '.join(sorted(facts.languages))}")
     refused = unhonoured(msg, facts.info.capabilities)
     if refused is not None:
         raise _unsupported(*refused, engine.name)
-    if msg.stream_audio and msg.response_format not in STREAMABLE_FORMATS:
+    clash = conflicting_voice_source(msg, None if voice in engine.voices else voice)
+    if clash is not None:
+        raise _bad(*clash)
+    split, stream_audio = msg.split_granularity, msg.stream_audio
+    if msg.streaming_mode == "token_level":
+        if msg.response_format not in STREAMABLE_FORMATS:
+            raise _bad("streaming_mode", f"token_level streams audio as it is synthesized, which needs "
+                       f"response_format one of {', '.join(sorted(STREAMABLE_FORMATS))}, not {msg.response_format!r}")
+        split, stream_audio = TOKEN_LEVEL_SPLIT if split == "none" else split, True
+    if stream_audio and msg.response_format not in STREAMABLE_FORMATS:
         raise _bad("response_format", f"stream_audio=true needs one of {', '.join(sorted(STREAMABLE_FORMATS))}; "
                    f"{msg.response_format!r} can only be sent as one whole file per sentence")
     audio_frames = msg.audio_frames or ("json" if msg.word_timestamps else "binary")
@@ -349,10 +402,11 @@ def resolve_config(msg: SessionConfig, facts: ServerFacts) -> EffectiveConfig:
         model=model, voice=voice, language=language, instructions=msg.instructions, speed=msg.speed,
         response_format=msg.response_format,
         sample_rate=codec_rate(msg.response_format, msg.sample_rate or engine.sample_rate),
-        stream_audio=msg.stream_audio, split_granularity=msg.split_granularity,
+        stream_audio=stream_audio, split_granularity=split,
         max_buffer_delay_ms=msg.max_buffer_delay_ms, word_timestamps=msg.word_timestamps,
         audio_frames=audio_frames, seed=msg.seed, max_new_tokens=msg.max_new_tokens,
-        initial_codec_chunk_frames=msg.initial_codec_chunk_frames, task_type=msg.task_type or "CustomVoice",
+        initial_codec_chunk_frames=msg.initial_codec_chunk_frames,
+        task_type=msg.task_type or default_task_type(facts.info.capabilities), streaming_mode=msg.streaming_mode,
     )
 
 
@@ -369,11 +423,12 @@ def resolve_voice(requested: str | None, facts: ServerFacts) -> str:
     if facts.voice_exists(requested):
         if not engine.voice_cloning:
             can = ", ".join(facts.cloning_engines) or "none in this build"
-            raise _bad("voice", f"voice {requested!r} is an uploaded voice, and engine {engine.name} cannot "
+            raise _bad("voice", f"voice {echo(requested)} is an uploaded voice, and engine {engine.name} cannot "
                        f"clone voices (engines that can: {can}); use one of its voices: {', '.join(engine.voices)}")
         return requested
     valid = sorted({*engine.voices, *facts.voice_aliases})
-    raise _bad("voice", f"unknown voice {requested!r}; valid voices: {', '.join(valid)}", reason="voice_not_found")
+    raise _bad("voice", f"unknown voice {echo(requested)}; valid voices: {', '.join(valid)}",
+               reason="voice_not_found")
 
 
 def _bad(param: str, detail: str, *, reason: str | None = None) -> ProtocolError:

@@ -2,19 +2,23 @@
 
 `create_app(settings, engine)` returns a ready-to-run `web.Application`; the engine is started (loaded and
 warmed) in a cleanup context, so `/ready` turns true only once the first request would be fast, and the
-engine is closed when the app stops.
+engine is closed when the app stops. A vllm-omni voice directory to import (`realtime.voice_import`) is
+checked when the app is created and imported once the engine is started, before anything is served.
 
 Signals (under `voicewire serve`, handled on the main thread): SIGTERM or SIGINT starts a drain: `/ready`
-answers 503 and new sessions and requests are refused with 503 while the listener stays open, open
-sessions finish their audio for up to `shutdown_grace_s`, then the server stops (closing what is left with
-1001); a second SIGTERM or SIGINT stops it at once. SIGHUP re-reads the API key file (closing the sessions
-of revoked keys once their audio in progress is sent); it never stops the server.
+answers 503 and new sessions and requests are refused with 503 while the listener stays open; each open
+session is closed with 1001 as soon as it is settled (no utterance open or unfinished, nothing to send), so
+an utterance the client started, even one whose text is still arriving, is finished, and one it had not
+started is never begun; after `shutdown_grace_s` (or once no session is left) the server stops, closing
+what is left with 1001. A second SIGTERM or SIGINT stops it at once. SIGHUP re-reads the API key file
+(closing the sessions of revoked keys once their audio in progress is sent); it never stops the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -36,9 +40,11 @@ from voicewire.realtime.auth import IDENTITY, AccessControl, Identity, access_mi
 from voicewire.realtime.bodies import body_deadline_middleware
 from voicewire.realtime.context import Server, ServerContext
 from voicewire.realtime.openai_errors import OpenAIError
+from voicewire.realtime.request_id import add_request_id
 from voicewire.realtime.rest import REST, add_rest_routes
-from voicewire.realtime.session import SessionRuntime
+from voicewire.realtime.session import SessionRuntime, resume_connection
 from voicewire.realtime.settings import Settings
+from voicewire.realtime.voice_import import check_source, import_vllm_omni_voices
 from voicewire.realtime.voices import VoiceStore, default_voices_dir
 
 log = logging.getLogger("voicewire")
@@ -81,8 +87,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     engine = engine or create_engine(settings.engine, workers=settings.engine_workers,
                                      isolation=settings.engine_isolation)
     access = AccessControl(settings)
-    voices = VoiceStore(settings.voices_dir or default_voices_dir(), max_voices=settings.max_voices,
-                        max_upload_bytes=settings.max_voice_upload_bytes)
+    voices_dir = settings.voices_dir or default_voices_dir()
+    if settings.import_vllm_omni_voices is not None:
+        check_source(settings.import_vllm_omni_voices, voices_dir)
+    voices = VoiceStore(voices_dir, max_voices=settings.max_voices, max_upload_bytes=settings.max_voice_upload_bytes)
     server = Server(settings=settings, engine=engine, access=access, voices=voices)
     app = web.Application(client_max_size=settings.max_config_bytes, middlewares=[access_middleware(access)])
     app[SERVER] = server
@@ -92,7 +100,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     metrics.engine_speed.set_function(lambda: state.admission.measure() or 0.0)
     metrics.capacity_streams.set_function(lambda: state.admission.capacity(_slots(server)) or 0.0)
     metrics.speaking_streams.set_function(lambda: _speaking(app))
+    metrics.sessions_waiting.set_function(lambda: 0 if server.context is None else server.context.resumes.waiting)
     app.on_response_prepare.append(_no_referrer)
+    app.on_response_prepare.append(add_request_id)
     app.cleanup_ctx.append(_engine_lifecycle)
     app.cleanup_ctx.append(_signals_and_key_file)
     app.on_shutdown.append(_shutdown_sessions)
@@ -132,27 +142,45 @@ async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     speech routes turn on when it is warm (the `ServerContext` is built then). A failed start is reported by
     `/health` (500) and logged."""
     server = app[SERVER]
+    unwatch_gc = server.metrics.watch_gc()
     starting = asyncio.create_task(_start_engine(server))
     try:
         yield
     finally:
+        unwatch_gc()
         server.shutting_down = True
         starting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await starting
         await server.engine.close()
+        server.audio.close()
 
 
 async def _start_engine(server: Server) -> None:
     started = time.monotonic()
     try:
         await server.engine.start()
-        server.context = ServerContext.build(server.settings, server.engine, server.metrics, server.voices)
+        ctx = ServerContext.build(server.settings, server.engine, server.metrics, server.voices, server.audio)
+        if server.settings.import_vllm_omni_voices is not None:  # before the first request, after restore
+            await import_vllm_omni_voices(server.voices, server.settings.import_vllm_omni_voices,
+                                          reserved=(*ctx.facts.engine.voices, *ctx.facts.voice_aliases))
+        server.context = ctx
     except Exception as exc:
         server.engine_error = f"{type(exc).__name__}: {exc}"
         log.exception("engine %s failed to start", server.settings.engine)
         return
     log.info("engine %s ready in %.2f s", server.engine.info.name, time.monotonic() - started)
+    _freeze_heap()
+
+
+def _freeze_heap() -> None:
+    """Move every object alive once the engine is ready (modules, the engine's framework, its weights'
+    wrappers: millions of objects with an in-process GPU engine) out of the garbage collector's reach, so
+    a full collection while sessions speak scans only what they allocate. Unfrozen, one full collection
+    over that heap pauses the event loop, and every stream with it, for up to a few hundred ms."""
+    gc.collect()
+    gc.freeze()
+    log.debug("garbage collector: %d startup objects frozen", gc.get_freeze_count())
 
 
 async def _shutdown_sessions(app: web.Application) -> None:
@@ -178,10 +206,11 @@ async def _until_idle(ctx: ServerContext, runtimes: list[SessionRuntime], deadli
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness: the process serves HTTP and its engine has not failed to start (500 if it has)."""
-    server = request.app[SERVER]
-    if server.engine_error is not None:
-        return web.json_response({"status": "error", "engine_error": server.engine_error}, status=500)
+    """Liveness: the process serves HTTP and its engine has not failed, at start or since (500 if it has:
+    only a restart brings it back)."""
+    failure = request.app[SERVER].engine_failure()
+    if failure is not None:
+        return web.json_response({"status": "error", "engine_error": failure}, status=500)
     return web.json_response({"status": "ok"})
 
 
@@ -193,7 +222,9 @@ async def ready(request: web.Request) -> web.Response:
     report = {} if workers is None else {"engine_workers": _workers_report(workers)}
     ctx = server.serving()
     if ctx is None:
-        return web.json_response({"status": "not ready", **report}, status=503)
+        failure = server.engine_failure()
+        reason = {} if failure is None else {"reason": failure}
+        return web.json_response({"status": "not ready", **reason, **report}, status=503)
     if workers is not None and workers.live == 0:
         return web.json_response({"status": "not ready", "reason": "no engine worker is live; they are being "
                                   "restarted", **report}, status=503)
@@ -213,7 +244,8 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
 
     Refused before the upgrade: not ready (503), over the key's or address's session cap (429). Refused
     after it, with close code 1013: the server already has `max_sessions` sessions, or the engine capacity
-    is spoken for (`realtime.admission`).
+    is spoken for (`realtime.admission`). A connection opened with `?session_id=` resumes that session
+    (`realtime.session.resume_connection`); it creates no session, so neither cap refuses it.
     """
     server = request.app[SERVER]
     ctx = server.serving()
@@ -230,6 +262,10 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
         # which lands on time to first audio (bench/ttfa.py --compression).
         ws = web.WebSocketResponse(max_msg_size=ctx.settings.max_config_bytes, heartbeat=20.0, compress=False)
         await ws.prepare(request)
+        resume_id = request.query.get("session_id")
+        if resume_id is not None:
+            await resume_connection(ws, request.transport, ctx, who.key, resume_id)
+            return ws
         if len(ctx.sessions) >= ctx.settings.max_sessions:
             ctx.metrics.sessions_refused.labels("full").inc()
             await ws.close(code=CLOSE_TRY_AGAIN_LATER, message=b"server full")
@@ -239,20 +275,23 @@ async def speech_stream(request: web.Request) -> web.StreamResponse:
             await ws.close(code=CLOSE_TRY_AGAIN_LATER,
                            message=f"server at capacity; retry after {admission.RETRY_AFTER_S} s".encode())
             return ws
-        runtime = SessionRuntime(ws, ctx)
+        state = request.app[STATE]
+
+        def ended(runtime: SessionRuntime) -> None:
+            ctx.sessions.discard(runtime)
+            state.session_keys.pop(runtime, None)
+            ctx.metrics.sessions_open.dec()
+
+        runtime = SessionRuntime(ws, ctx, key=who.key, transport=request.transport, on_end=ended,
+                                 draining=lambda: server.shutting_down)
         ctx.sessions.add(runtime)
-        request.app[STATE].session_keys[runtime] = who.key
+        state.session_keys[runtime] = who.key
         ctx.metrics.sessions_total.inc()
         ctx.metrics.sessions_open.inc()
-        try:
-            await runtime.run()
-        finally:
-            ctx.sessions.discard(runtime)
-            request.app[STATE].session_keys.pop(runtime, None)
-            ctx.metrics.sessions_open.dec()
-            asyncio.get_running_loop().call_later(UNSENT_GRACE_S, _drop_unsent, request)
+        await runtime.run()
         return ws
     finally:
+        asyncio.get_running_loop().call_later(UNSENT_GRACE_S, _drop_unsent, request)
         server.access.close_session(who)
 
 
@@ -333,17 +372,33 @@ def _on_signal(app: web.Application, sig: signal.Signals) -> None:
 
 
 async def _drain_then_stop(app: web.Application) -> None:
-    """Wait for the sessions' audio in progress (up to the drain deadline), then stop the server the way
-    aiohttp's own signal handler does (GracefulExit out of the loop): listener closed, sessions closed
-    with 1001, engine closed."""
+    """Close each session with 1001 once it is settled (up to the drain deadline), then stop the server the
+    way aiohttp's own signal handler does (GracefulExit out of the loop): listener closed, what is left
+    closed with 1001, engine closed."""
     ctx = app[SERVER].context
     state = app[STATE]
     assert state.drain_deadline is not None
     if ctx is not None:
-        await _until_idle(ctx, list(ctx.sessions), state.drain_deadline)
+        await _close_when_settled(ctx, state, state.drain_deadline)
     if not state.exiting:
         state.exiting = True
         asyncio.get_running_loop().call_soon(_raise_graceful_exit)
+
+
+async def _close_when_settled(ctx: ServerContext, state: AppState, deadline: float) -> None:
+    """Close every session with 1001 at its first settled moment (`SessionRuntime.settled`), until none is
+    left or until `deadline` (monotonic). A session may start another utterance before it settles; that
+    one is finished too (within the deadline)."""
+    closing: set[SessionRuntime] = set()
+    while time.monotonic() < deadline:
+        open_ = [s for s in ctx.sessions if s not in closing]
+        if not open_:
+            return
+        settled = [s for s in open_ if s.settled]
+        closing.update(settled)
+        for runtime in settled:
+            state.spawn(runtime.shutdown(CLOSE_GOING_AWAY, "server shutting down"), f"drain-{runtime.session_id}")
+        await asyncio.sleep(DRAIN_POLL_S)
 
 
 def _raise_graceful_exit() -> None:

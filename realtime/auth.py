@@ -8,7 +8,8 @@ refused before the upgrade (an HTTP status, never a half-open session).
   missing file and a removed key do). A key is presented as `Authorization: Bearer <key>` (REST and
   WebSocket) or `?token=<key>` (WebSocket upgrades only: browsers cannot set headers there). Keys are
   compared in constant time against every configured key and never logged; limits and logs use a key id
-  (a short SHA-256 prefix), and `AccessLog` redacts `?token=` from the access log.
+  (a short SHA-256 prefix), and `AccessLog` redacts `?token=` from the access log
+  (and keeps the `/health` and `/ready` probes at DEBUG).
 - Browser requests (those with an `Origin` header) that open a WebSocket or change state (POST, PUT, PATCH,
   DELETE) must come from the server's own origin or from `allowed_origins` (403): this stops cross-site
   WebSocket hijacking and cross-site forms on an open server. The own origin is judged by the address the
@@ -44,7 +45,9 @@ from yarl import URL
 
 log = logging.getLogger("voicewire.auth")
 
-OPEN_PATHS: Final = frozenset({"/health", "/ready", "/"})
+PROBE_PATHS: Final = frozenset({"/health", "/ready"})
+"""Health and readiness probes: open, and logged at DEBUG by `AccessLog`."""
+OPEN_PATHS: Final = PROBE_PATHS | {"/"}
 LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 STATE_CHANGING: Final = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 FORM_PATHS: Final = frozenset({"/v1/audio/voices"})
@@ -364,8 +367,10 @@ def redact_tokens(url: str) -> str:
 
 class AccessLog(AbstractAccessLogger):
     """aiohttp's access line (address, request line, status, bytes, seconds, Referer, User-Agent) with
-    `?token=` keys redacted from the request line and the Referer. Pass it as `access_log_class` to
-    `web.run_app` or `web.AppRunner`."""
+    `?token=` keys redacted from the request line and the Referer. Requests to `PROBE_PATHS` go to DEBUG,
+    every other request to INFO: load balancers poll them every few seconds and at INFO they would bury
+    every real request (`--log-level debug` shows them). Pass it as `access_log_class` to `web.run_app` or
+    `web.AppRunner`."""
 
     @property
     def enabled(self) -> bool:
@@ -373,7 +378,8 @@ class AccessLog(AbstractAccessLogger):
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         version = request.version
-        self.logger.info('%s "%s %s HTTP/%d.%d" %d %d %.3f "%s" "%s"', request.remote or "-", request.method,
-                         redact_tokens(request.path_qs), version.major, version.minor, response.status,
-                         response.body_length, time, redact_tokens(request.headers.get(hdrs.REFERER, "-")),
-                         request.headers.get(hdrs.USER_AGENT, "-"))
+        level = logging.DEBUG if request.path in PROBE_PATHS else logging.INFO
+        self.logger.log(level, '%s "%s %s HTTP/%d.%d" %d %d %.3f "%s" "%s"', request.remote or "-", request.method,
+                        redact_tokens(request.path_qs), version.major, version.minor, response.status,
+                        response.body_length, time, redact_tokens(request.headers.get(hdrs.REFERER, "-")),
+                        request.headers.get(hdrs.USER_AGENT, "-"))

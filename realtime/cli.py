@@ -15,6 +15,7 @@ from voicewire.adapters.registry import ENGINE_NAMES, create_engine
 from voicewire.realtime.app import create_app
 from voicewire.realtime.auth import AccessLog
 from voicewire.realtime.settings import Settings
+from voicewire.realtime.voice_import import ENV_VAR as IMPORT_ENV_VAR
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,19 +23,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the server")
     defaults = Settings()
-    serve.add_argument("--host", default=defaults.host)
-    serve.add_argument("--port", type=int, default=defaults.port)
-    serve.add_argument("--engine", choices=ENGINE_NAMES, default=defaults.engine)
+    serve.add_argument("--host", default=defaults.host,
+                       help="address to listen on (default %(default)s: this machine only; 0.0.0.0 for every "
+                       "interface)")
+    serve.add_argument("--port", type=int, default=defaults.port, help="TCP port (default %(default)s)")
+    serve.add_argument("--engine", choices=ENGINE_NAMES, default=defaults.engine,
+                       help="speech engine (default %(default)s; docs/engines.md)")
     serve.add_argument("--engine-workers", type=int, default=defaults.engine_workers,
                        help="engine requests computed at once (hibari: threads, about one core each)")
     serve.add_argument("--engine-isolation", choices=("process", "thread"), default=defaults.engine_isolation,
                        help="hibari in child processes (a crashed worker is restarted) or in threads")
-    serve.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
+    serve.add_argument("--max-sessions", type=int, default=defaults.max_sessions,
+                       help="WebSocket sessions at once; one more is closed with code 1013 (default %(default)s)")
     serve.add_argument("--admission-utilization", type=float, default=defaults.admission_utilization,
                        metavar="SHARE", help="refuse new sessions (close 1013) while those speaking need more than "
                        "this share of the engine's measured capacity; 0: admit by --max-sessions only")
     serve.add_argument("--voices-dir", type=Path, help="where uploaded voices are stored "
                        "(default: $XDG_DATA_HOME/voicewire/voices)")
+    serve.add_argument("--import-vllm-omni-voices", type=Path, metavar="DIR",
+                       help="at start, import the voices a vllm-omni speech server stored in DIR (its "
+                       "$SPEAKER_SAMPLES_DIR, by default ~/.cache/vllm-omni/speakers) into the voice store; "
+                       "voices already there are kept (docs/operations.md); also $VOICEWIRE_IMPORT_VLLM_OMNI_VOICES")
+    serve.add_argument("--server-id", metavar="NAME", help="this server's name behind a load balancer: session "
+                       "ids start with it, so the balancer routes a resume to the right server (deploy/)")
     auth = serve.add_argument_group("access")
     auth.add_argument("--api-key", action="append", default=[], metavar="KEY",
                       help="an accepted API key (repeatable); also read from $VOICEWIRE_API_KEYS, comma-separated")
@@ -56,8 +67,33 @@ def build_parser() -> argparse.ArgumentParser:
                         help="frames in a unit's first audio chunk (85.3 ms each); sessions may override")
     talker.add_argument("--talker-random-weights", action="store_true",
                         help="test and benchmark mode: random talker weights, forced lengths (no real speech)")
-    serve.add_argument("--log-level", default="INFO")
+    omni = serve.add_argument_group("omni engine (--engine omni: vllm-omni's pipeline; docs/engines.md)")
+    omni.add_argument("--model", metavar="DIR", help="local model folder (a Qwen3-TTS or Fish Speech S2 Pro model)")
+    omni.add_argument("--stage-config", metavar="YAML",
+                      help="vllm-omni deploy/stage config (default: vllm-omni's own for the model type; on a CPU "
+                           "build use adapters/omni_configs/qwen3_tts_cpu.yaml or fish_qwen3_omni_cpu.yaml)")
+    omni.add_argument("--omni-max-concurrency", type=int, default=4,
+                      help="units computed at once (at most the talker stage's max_num_seqs)")
+    omni.add_argument("--omni-chunk-ramp", type=_chunk_ramp, default=None, metavar="N,N,...|none",
+                      help="frames (80 ms) in each of a unit's first audio chunks, then the stage config's "
+                           "codec_chunk_frames (default: 1,1,1,1,2,3,4,6,9,14,21; none: the stage config's "
+                           "chunking, one frame then codec_chunk_frames)")
+    omni.add_argument("--omni-random-weights", action="store_true",
+                      help="test and benchmark mode: random weights (load_format dummy), forced lengths")
+    serve.add_argument("--log-level", default="INFO", type=str.upper,
+                       choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                       help="log detail (default %(default)s; DEBUG adds the /health and /ready probes)")
     return parser
+
+
+def _chunk_ramp(text: str) -> tuple[int, ...]:
+    """`--omni-chunk-ramp`: comma-separated frame counts, or `none` (no ramp)."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of frame counts: {text!r} (e.g. 1,2,4,8,16, or none)") from None
 
 
 def talker_engine(args: argparse.Namespace) -> Engine | None:
@@ -77,21 +113,38 @@ def talker_engine(args: argparse.Namespace) -> Engine | None:
     return create_engine("talker", talker=config)
 
 
+def omni_engine(args: argparse.Namespace) -> Engine | None:
+    """The omni engine the flags describe, or None for other engines."""
+    if args.engine != "omni":
+        return None
+    if not args.model:
+        raise ValueError("engine omni needs --model DIR")
+    from voicewire.adapters.omni import DEFAULT_CHUNK_RAMP, OmniConfig
+
+    ramp = DEFAULT_CHUNK_RAMP if args.omni_chunk_ramp is None else args.omni_chunk_ramp
+    config = OmniConfig(model=args.model, stage_config=args.stage_config, max_concurrency=args.omni_max_concurrency,
+                        random_weights=args.omni_random_weights, codec_chunk_ramp=ramp)
+    return create_engine("omni", omni=config)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("-"):
         argv = ["serve", *argv]
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env_keys = [k.strip() for k in os.environ.get("VOICEWIRE_API_KEYS", "").split(",") if k.strip()]
-    settings = Settings(host=args.host, port=args.port, engine=args.engine, engine_workers=args.engine_workers,
-                        engine_isolation=args.engine_isolation, max_sessions=args.max_sessions,
-                        admission_utilization=args.admission_utilization,
-                        api_keys=(*args.api_key, *env_keys), voices_dir=args.voices_dir,
-                        api_keys_file=args.api_keys_file, allow_unauthenticated=args.no_auth,
-                        allowed_origins=tuple(args.allowed_origin), trust_forwarded_for=args.trust_forwarded_for)
+    env_import = os.environ.get(IMPORT_ENV_VAR, "").strip()
+    import_voices = args.import_vllm_omni_voices or (Path(env_import) if env_import else None)
     try:
-        app = create_app(settings, talker_engine(args))
+        settings = Settings(host=args.host, port=args.port, engine=args.engine, engine_workers=args.engine_workers,
+                            engine_isolation=args.engine_isolation, max_sessions=args.max_sessions,
+                            admission_utilization=args.admission_utilization,
+                            api_keys=(*args.api_key, *env_keys), voices_dir=args.voices_dir,
+                            api_keys_file=args.api_keys_file, allow_unauthenticated=args.no_auth,
+                            allowed_origins=tuple(args.allowed_origin), trust_forwarded_for=args.trust_forwarded_for,
+                            server_id=args.server_id, import_vllm_omni_voices=import_voices)
+        app = create_app(settings, talker_engine(args) or omni_engine(args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"voicewire: {exc}", file=sys.stderr)
         return 2
@@ -102,9 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         logging.getLogger("voicewire").info("uvloop not installed; using the default event loop")
     web.run_app(app, host=settings.host, port=settings.port,
-                shutdown_timeout=settings.shutdown_grace_s + 5.0, print=None,
+                shutdown_timeout=settings.shutdown_grace_s + 5.0, print=lambda _banner: _log_listening(app, settings),
                 handler_cancellation=True, access_log_class=AccessLog, keepalive_timeout=settings.header_timeout_s)
     return 0
+
+
+def _log_listening(app: web.Application, settings: Settings) -> None:
+    """Say where the server listens, once it does (aiohttp calls this after its sockets are bound)."""
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    demo = any(route.method == "GET" and route.resource is not None and route.resource.canonical == "/"
+               for route in app.router.routes())
+    logging.getLogger("voicewire").info("listening on http://%s:%d%s", host, settings.port,
+                                        " (demo: /)" if demo else "")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -10,6 +12,7 @@ from prometheus_client.registry import Collector
 from voicewire.adapters.workers import PoolHealth
 
 TTFA_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+GC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 class Metrics:
@@ -54,15 +57,45 @@ class Metrics:
                                 registry=r)
         self.sessions_revoked = Counter("voicewire_sessions_revoked",
                                         "WebSocket sessions closed because their API key was revoked", registry=r)
+        self.resumes_attempted = Counter("voicewire_resumes_attempted",
+                                         "Connections opened to resume a session (?session_id=)", registry=r)
+        self.resumes_succeeded = Counter("voicewire_resumes_succeeded", "Sessions resumed on a new connection",
+                                         registry=r)
+        self.resumes_expired = Counter("voicewire_resumes_expired",
+                                       "Sessions that waited resume_window_s for a resume that never came",
+                                       registry=r)
+        self.replayed_bytes = Counter("voicewire_replayed_bytes", "Bytes of server frames replayed by resumes",
+                                      registry=r)
+        self.sessions_waiting = Gauge("voicewire_sessions_waiting_for_resume",
+                                      "Sessions whose connection dropped, waiting for a resume", registry=r)
         self.event_loop_tasks = Gauge("voicewire_event_loop_tasks",
                                       "asyncio tasks alive on the server's event loop (read at scrape time)",
                                       registry=r)
+
+        self.gc_pause = Histogram("voicewire_gc_pause_seconds",
+                                  "Pauses of Python's cyclic garbage collector in the server process (every "
+                                  "session's audio waits for them), by generation", ["generation"],
+                                  buckets=GC_BUCKETS, registry=r)
 
         self.engine_workers = _EngineWorkers()
         r.register(self.engine_workers)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def watch_gc(self) -> Callable[[], None]:
+        """Time every garbage collection in this process into `gc_pause` (collections started by any
+        thread) until the returned function is called; call it exactly once."""
+        started: list[float] = []
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                self.gc_pause.labels(str(info["generation"])).observe(time.perf_counter() - started.pop())
+
+        gc.callbacks.append(on_gc)
+        return lambda: gc.callbacks.remove(on_gc)
 
 
 class _EngineWorkers(Collector):

@@ -15,7 +15,7 @@ from typing import Final
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from voicewire.protocol.messages import ProtocolError
+from voicewire.protocol.messages import ProtocolError, ReportedError
 
 WS_PATH: Final = "/v1/audio/speech/stream"
 
@@ -27,15 +27,12 @@ _HTTP_CODES: Final[dict[int, str]] = {
 }
 
 
-class OpenAIError(Exception):
-    """A refused or failed REST request, rendered by `openai_error_middleware`."""
+class OpenAIError(ReportedError):
+    """A refused or failed REST request with its HTTP `status`, rendered by `openai_error_middleware`."""
 
     def __init__(self, status: int, message: str, *, code: str, param: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(code, message, param)
         self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
 
     def body(self) -> dict[str, dict[str, object]]:
         kind = "server_error" if self.status >= 500 else "invalid_request_error"

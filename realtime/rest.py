@@ -28,21 +28,25 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Final
 
-import msgspec
 from aiohttp import BodyPartReader, hdrs, web
 from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
 from voicewire.protocol.encoders import REST_CONTENT_TYPES
-from voicewire.protocol.engine import failure_of
+from voicewire.protocol.engine import VoiceSample, failure_of
+from voicewire.protocol.messages import echo
 from voicewire.protocol.session import ServerFacts
 from voicewire.realtime.context import Server, ServerContext
 from voicewire.realtime.openai_errors import OpenAIError, bad_request, openai_error_middleware
 from voicewire.realtime.speech import (
+    AudioBudget,
     SpeechPlan,
     SpeechSynthesis,
+    audio_too_long,
     convert_speech_request,
+    decode_json,
     decode_speech_request,
     plan_speech,
+    with_reference,
 )
 from voicewire.realtime.voices import VoiceStoreError
 
@@ -148,7 +152,9 @@ async def create_speech(request: web.Request) -> web.StreamResponse:
     plan = plan_speech(decode_speech_request(await request.read()), facts,
                        max_input_chars=ctx.settings.max_input_chars)
     with _admitted(state):
-        synthesis = SpeechSynthesis(ctx, plan, ctx.next_id("speech"), started)
+        plan = await with_reference(ctx, plan)
+        budget = AudioBudget(ctx.settings.max_response_audio_s) if plan.delivery == "whole" else None
+        synthesis = SpeechSynthesis(ctx, plan, ctx.next_id("speech"), started, budget)
         if plan.delivery == "whole":
             return await _whole_response(synthesis)
         return await _streamed_response(request, synthesis)
@@ -158,11 +164,12 @@ async def _whole_response(synthesis: SpeechSynthesis) -> web.Response:
     body = await _whole_body(synthesis)
     plan = synthesis.plan
     usage = synthesis.usage
-    text_tokens = str(usage.input_tokens)
     headers = {
-        "x-vllm-omni-input-tokens": text_tokens, "x-vllm-omni-output-tokens": str(usage.output_tokens),
-        "x-vllm-omni-total-tokens": str(usage.total_tokens), "x-vllm-omni-input-text-tokens": text_tokens,
-        "x-vllm-omni-input-audio-tokens": "0", "x-voicewire-audio-ms": f"{synthesis.audio_seconds * 1000:.1f}",
+        "x-vllm-omni-input-tokens": str(usage.input_tokens), "x-vllm-omni-output-tokens": str(usage.output_tokens),
+        "x-vllm-omni-total-tokens": str(usage.total_tokens),
+        "x-vllm-omni-input-text-tokens": str(usage.text_tokens),
+        "x-vllm-omni-input-audio-tokens": str(usage.audio_tokens),
+        "x-voicewire-audio-ms": f"{synthesis.audio_seconds * 1000:.1f}",
         "x-voicewire-sample-rate": str(synthesis.sample_rate)}
     if plan.config.word_timestamps:
         words = json.dumps([{"word": w.word, "start_ms": w.start_ms, "end_ms": w.end_ms,
@@ -175,12 +182,14 @@ async def _whole_response(synthesis: SpeechSynthesis) -> web.Response:
 
 
 async def _whole_body(synthesis: SpeechSynthesis) -> bytes:
-    """All of the audio, or a 500 `OpenAIError` when the engine fails."""
+    """All of the audio, or an `OpenAIError`: 400 past the audio budget, 500 when the engine fails."""
     parts: list[bytes] = []
     try:
         async with aclosing(synthesis.chunks()) as chunks:
             async for chunk in chunks:
                 parts.append(chunk)
+    except OpenAIError:
+        raise
     except Exception as exc:
         raise _generation_failed(synthesis, exc) from exc
     _observe_ttfa(synthesis)
@@ -206,7 +215,7 @@ async def _streamed_response(request: web.Request, synthesis: SpeechSynthesis) -
     except ConnectionResetError:
         raise
     except Exception as exc:
-        error = _generation_failed(synthesis, exc)
+        error = exc if isinstance(exc, OpenAIError) else _generation_failed(synthesis, exc)
         if not response.prepared:
             raise error from exc
         if not sse:
@@ -223,12 +232,19 @@ async def _streamed_response(request: web.Request, synthesis: SpeechSynthesis) -
 
 
 async def _body(synthesis: SpeechSynthesis, sse: bool) -> AsyncGenerator[bytes]:
+    """The chunks, or their SSE events (base64 and JSON made off the event loop)."""
     async with aclosing(synthesis.chunks()) as chunks:
         async for chunk in chunks:
             if sse:
-                yield _sse_event("speech.audio.delta", {"audio": base64.b64encode(chunk).decode()})
+                yield await synthesis.ctx.audio.run(_sse_audio, chunk, synthesis.plan.response_format)
             else:
                 yield chunk
+
+
+def _sse_audio(chunk: bytes, response_format: str) -> bytes:
+    """A `speech.audio.delta` event: the chunk in base64 and its `response_format` (vllm-omni's fields)."""
+    return _sse_event("speech.audio.delta", {"audio": base64.b64encode(chunk).decode(),
+                                             "response_format": response_format})
 
 
 def _sse_event(kind: str, fields: dict[str, Any]) -> bytes:
@@ -256,10 +272,7 @@ async def create_speech_batch(request: web.Request) -> web.Response:
     ctx = _serving(state)
     facts = ctx.facts
     started = time.monotonic()
-    try:
-        raw = msgspec.json.decode(await request.read())
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"Invalid JSON body: {exc}", None, "invalid_json") from None
+    raw = decode_json(await request.read())
     if not isinstance(raw, dict):
         raise bad_request("The batch must be a JSON object with `items`", None)
     items = raw.pop("items", None)
@@ -270,7 +283,8 @@ async def create_speech_batch(request: web.Request) -> web.Response:
         raise bad_request(f"items has {len(items)} entries; the limit is {limit}", "items")
     defaults: dict[str, Any] = {"response_format": "wav", **raw}
     _refuse_stream_fields(defaults, None)
-    _plan_item({**defaults, "input": "Check."}, facts, ctx)
+    references: dict[str, VoiceSample] = {}
+    await with_reference(ctx, _plan_item({**defaults, "input": "Check."}, facts, ctx), references)
     plans: list[SpeechPlan | str] = []
     for index, item in enumerate(items):
         try:
@@ -278,16 +292,22 @@ async def create_speech_batch(request: web.Request) -> web.Response:
                 raise bad_request("each item must be an object", "items")
             _refuse_stream_fields(item, index)
             overrides = {k: v for k, v in item.items() if v is not None}
-            plans.append(_plan_item({**defaults, **overrides}, facts, ctx))
+            plans.append(await with_reference(ctx, _plan_item({**defaults, **overrides}, facts, ctx), references))
         except OpenAIError as exc:
             plans.append(exc.message)
+    estimate = sum(plan.audio_estimate_s for plan in plans if isinstance(plan, SpeechPlan))
+    budget = AudioBudget(ctx.settings.max_response_audio_s)
+    if estimate > budget.limit:
+        raise audio_too_long(f"This batch is about {estimate:.0f} s of audio", budget.limit)
     with _admitted(state):
         batch_id = ctx.next_id("speech-batch")
         results = await asyncio.gather(*(
-            _batch_item(ctx, index, plan, f"{batch_id}-{index}", started) for index, plan in enumerate(plans)))
+            _batch_item(ctx, index, plan, f"{batch_id}-{index}", started, budget)
+            for index, plan in enumerate(plans)))
     succeeded = sum(1 for r in results if r["status"] == "success")
-    return web.json_response({"id": batch_id, "results": results, "total": len(results),
-                              "succeeded": succeeded, "failed": len(results) - succeeded})
+    body = await ctx.audio.run(json.dumps, {"id": batch_id, "results": results, "total": len(results),
+                                            "succeeded": succeeded, "failed": len(results) - succeeded})
+    return web.Response(text=body, content_type="application/json")
 
 
 def _refuse_stream_fields(fields: dict[str, Any], index: int | None) -> None:
@@ -303,17 +323,22 @@ def _plan_item(fields: dict[str, Any], facts: ServerFacts, ctx: ServerContext) -
 
 
 async def _batch_item(ctx: ServerContext, index: int, plan: SpeechPlan | str, request_id: str,
-                      started: float) -> dict[str, Any]:
+                      started: float, budget: AudioBudget) -> dict[str, Any]:
     if isinstance(plan, str):
         return {"index": index, "status": "error", "error": plan}
-    synthesis = SpeechSynthesis(ctx, plan, request_id, started)
+    synthesis = SpeechSynthesis(ctx, plan, request_id, started, budget)
     try:
         body = await _whole_body(synthesis)
     except OpenAIError as exc:
         return {"index": index, "status": "error", "error": exc.message}
-    return {"index": index, "status": "success", "audio_data": base64.b64encode(body).decode(),
+    audio_data = await ctx.audio.run(_base64, body)
+    return {"index": index, "status": "success", "audio_data": audio_data,
             "media_type": REST_CONTENT_TYPES[plan.response_format], "sample_rate": synthesis.sample_rate,
             "usage": synthesis.usage.as_dict()}
+
+
+def _base64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -430,7 +455,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     model = request.match_info["model"]
     entry = _model_entries(state, _serving(state).facts).get(model)
     if entry is None:
-        raise OpenAIError(404, f"The model {model!r} does not exist", code="model_not_found", param="model")
+        raise OpenAIError(404, f"The model {echo(model)} does not exist", code="model_not_found", param="model")
     return web.json_response(entry)
 
 

@@ -5,13 +5,15 @@ Settings come from `voicewire serve` flags (see `cli.py`) or are built directly 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 OPENAI_VOICE_NAMES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage",
                       "shimmer", "verse", "marin", "cedar")
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+SERVER_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +45,28 @@ class Settings:
     """Units per session synthesizing or synthesized-but-unsent; bounds a slow client's memory."""
     unit_timeout_s: float = 60.0
     """Engine time one unit may take; past it the unit is cancelled with a `unit_timeout` error."""
+    max_unit_audio_s: float = 120.0
+    """Audio one unit may produce (at the requested speed); past it the unit is stopped with a
+    `unit_too_long` error. A unit of `max_unit_chars` at speed 0.25 is estimated at 65 s."""
+    max_response_audio_s: float = 300.0
+    """Audio one non-streamed REST response may hold (a whole file, or all of a batch's items): more by
+    estimate is refused before synthesis, and a response that runs past it anyway is stopped (400
+    `audio_too_long`; streamed responses are not held, so not bounded by this)."""
     max_pending_events: int = 256
     """Control events queued for a client that is not reading; past this the session is closed."""
+    resume_window_s: float = 30.0
+    """How long a resumable session (its client sent `session.ack`) whose connection dropped without
+    `session.close` waits for `session.resume`; 0: disconnect ends every session, as it always did."""
+    replay_buffer_bytes: int = 1024 * 1024
+    """Server frames kept per session for a resume (about 20 s of 24 kHz pcm16); past it a resumable
+    session pauses its synthesis until the client acknowledges or resumes. With `max_sessions` this bounds
+    the memory replay takes: `max_sessions` x this."""
+    """Control events queued for a client that is not reading; past this the session is closed."""
     shutdown_grace_s: float = 10.0
+    server_id: str | None = None
+    """This server's name behind a load balancer (1-64 letters, digits, '_' or '-'). Session ids start with
+    it (`<server_id>.sess_000003`), so a balancer routes a resume (`?session_id=`) to the server that holds
+    the session (`deploy/haproxy.cfg`); None: ids are `sess_000003`."""
     api_keys: tuple[str, ...] = ()
     api_keys_file: Path | None = None
     """One key per line; re-read on SIGHUP and when it changes."""
@@ -77,7 +98,14 @@ class Settings:
     """Items of one `POST /v1/audio/speech/batch` request."""
     voices_dir: Path | None = None
     """Where uploaded voices are stored; None: `$XDG_DATA_HOME/voicewire/voices` (~/.local/share/...)."""
+    import_vllm_omni_voices: Path | None = None
+    """A voice directory written by vllm-omni's speech server (its `$SPEAKER_SAMPLES_DIR`), imported into
+    the voice store at every start (`realtime.voice_import`); None: no import."""
     max_voices: int = 1000
     """Uploaded voices kept; an upload past the cap is refused (400)."""
     max_voice_upload_bytes: int = 10 * 1024 * 1024
     """Largest voice sample upload (413 past it)."""
+
+    def __post_init__(self) -> None:
+        if self.server_id is not None and not SERVER_ID_PATTERN.fullmatch(self.server_id):
+            raise ValueError(f"server id {self.server_id!r}: use 1-64 letters, digits, '_' or '-'")

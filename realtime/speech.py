@@ -5,44 +5,50 @@
 (`stream`: chunked body; `sse`: `speech.audio.*` events; `whole`: one body with usage headers) and splits
 the input into sentence units with the `Segmenter`.
 
-`SpeechSynthesis` runs those units through `realtime.pipeline` (`render_plan`, `synthesis_request`,
-`UnitRun`), the same scheduler slots and engine as WebSocket sessions: unit N+1 synthesizes while
-unit N streams, at most `max_units_in_flight` units are synthesizing or buffered at once, and audio leaves
-in text order as soon as the engine yields it. Units render to s16 PCM at the output rate (speed beyond
+`SpeechSynthesis` runs those units through the same `protocol.output.OutputMachine` and
+`realtime.pipeline.UnitRuns` as a WebSocket session, so the same scheduler slots and engine: unit N+1
+synthesizes while unit N streams, at most `max_units_in_flight` units are synthesizing or buffered at once,
+and audio leaves in text order as soon as the engine yields it. Units render to s16 PCM at the output rate (speed beyond
 the engine's native range is a pitch-preserving time stretch, in `UnitRenderer`), and a streaming encoder
-(`realtime.encoders`) turns that into the response format. Closing `chunks()` early (client gone) cancels
+(`protocol.encoders`) turns that into the response format. Closing `chunks()` early (client gone) cancels
 every unit task, which closes the engine iterators.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
-from collections import deque
+import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
-from voicewire.protocol.audio import codec_rate
+from voicewire.protocol.audio import STREAMABLE_FORMATS, codec_rate
 from voicewire.protocol.encoders import STREAMING_FORMATS, RestFormat, make_encoder
-from voicewire.protocol.engine import SpeechParams, speech_fields, speech_params
+from voicewire.protocol.engine import SpeechParams, UnitTooLong, VoiceSample, speech_fields, speech_params
 from voicewire.protocol.messages import (
     SAMPLE_RATE_MAX,
     SAMPLE_RATE_MIN,
+    AudioWords,
     EffectiveConfig,
     ProtocolError,
     SessionConfig,
+    SessionDone,
+    StreamingMode,
     WordTiming,
     invalid_field,
+    valid_values,
 )
-from voicewire.protocol.render import RenderedPiece, estimate_seconds, place_words
+from voicewire.protocol.output import OutputMachine
+from voicewire.protocol.render import RenderedPiece, estimate_seconds
 from voicewire.protocol.segmenter import Segmenter
-from voicewire.protocol.session import ServerFacts, resolve_config
+from voicewire.protocol.session import ServerFacts, Unit, resolve_config
 from voicewire.realtime.context import ServerContext
 from voicewire.realtime.openai_errors import OpenAIError, bad_request, from_protocol_error
-from voicewire.realtime.pipeline import UnitRun
+from voicewire.realtime.pipeline import UnitRuns, decode_reference, needs_reference
 
 Delivery = Literal["stream", "sse", "whole"]
 
@@ -69,9 +75,12 @@ class SpeechRequest(SpeechParams, kw_only=True, frozen=True):
     stream: bool | None = None
     sample_rate: Annotated[int, msgspec.Meta(ge=SAMPLE_RATE_MIN, le=SAMPLE_RATE_MAX)] | None = None
     word_timestamps: bool = False
+    streaming_mode: StreamingMode | None = None
+    """WebSocket only (as in vllm-omni); refused here by name (`plan_speech`)."""
 
 
 _decoder: Final = msgspec.json.Decoder(SpeechRequest)
+_raw_decoder: Final = msgspec.json.Decoder(float_hook=float)
 
 
 def decode_speech_request(body: bytes) -> SpeechRequest:
@@ -80,6 +89,19 @@ def decode_speech_request(body: bytes) -> SpeechRequest:
         return _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise validation_error(exc) from None
+    except RecursionError:
+        raise _nested_too_deeply() from None
+
+
+def decode_json(body: bytes) -> Any:
+    """An untyped JSON body (a batch), or a 400 `OpenAIError`. A number too large for a float reads as
+    inf, so the field it is in refuses it by name."""
+    try:
+        return _raw_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"Invalid JSON body: {exc}", None, "invalid_json") from None
+    except RecursionError:
+        raise _nested_too_deeply() from None
 
 
 def convert_speech_request(fields: dict[str, Any]) -> SpeechRequest:
@@ -88,6 +110,12 @@ def convert_speech_request(fields: dict[str, Any]) -> SpeechRequest:
         return msgspec.convert(fields, SpeechRequest)
     except msgspec.ValidationError as exc:
         raise validation_error(exc) from None
+    except RecursionError:
+        raise _nested_too_deeply() from None
+
+
+def _nested_too_deeply() -> OpenAIError:
+    return bad_request("Invalid JSON body: nested too deeply", None, "invalid_json")
 
 
 def validation_error(exc: msgspec.DecodeError) -> OpenAIError:
@@ -95,7 +123,7 @@ def validation_error(exc: msgspec.DecodeError) -> OpenAIError:
     if not isinstance(exc, msgspec.ValidationError):
         return bad_request(f"Invalid JSON body: {exc}", None, "invalid_json")
     param, detail = invalid_field(exc)
-    return bad_request(f"Invalid request: {detail}", param)
+    return bad_request(f"Invalid request: {detail}{valid_values(SpeechRequest, param)}", param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +147,10 @@ class SpeechPlan:
     params: SpeechParams
     response_format: RestFormat
     delivery: Delivery
+    audio_estimate_s: float
+    """Expected audio duration at the requested speed (`estimate_seconds` of every unit)."""
+    reference: VoiceSample | None = None
+    """`params.ref_audio` decoded (`with_reference`), for a cloning engine."""
 
 
 def plan_speech(req: SpeechRequest, facts: ServerFacts, *, max_input_chars: int,
@@ -127,12 +159,18 @@ def plan_speech(req: SpeechRequest, facts: ServerFacts, *, max_input_chars: int,
 
     `delivery` forces one (batch items are always `whole`); otherwise: `sse` when `stream_format` is
     "sse" (or `stream` is true without a `stream_format`), `whole` when `stream` is false, the format
-    cannot stream (flac) or `word_timestamps` is set (words go in a header), else `stream`.
+    cannot stream (flac) or `word_timestamps` is set (words go in a header), else `stream`. A `whole`
+    response expected to run past `max_response_audio_s` is refused (400 `audio_too_long`).
     """
     if len(req.input) > max_input_chars:
         raise bad_request(f"input is {len(req.input)} characters; the limit is {max_input_chars}", "input")
     if not any(ch.isalnum() for ch in req.input):
         raise bad_request("input has nothing to speak", "input")
+    if req.streaming_mode is not None:
+        raise bad_request(f"streaming_mode {req.streaming_mode!r} streams text into a WebSocket session as it "
+                          "arrives; a REST request's input is whole, so it cannot apply. Use the WebSocket "
+                          "/v1/audio/speech/stream, or stream_format 'audio' or 'sse' for streamed audio",
+                          "streaming_mode")
     explicit_stream = req.stream_format is not None or req.stream is not None
     if delivery is None:
         if req.stream_format == "sse" or (req.stream_format is None and req.stream is True):
@@ -150,15 +188,61 @@ def plan_speech(req: SpeechRequest, facts: ServerFacts, *, max_input_chars: int,
     rate = codec_rate(req.response_format, req.sample_rate or facts.engine.sample_rate)
     session = SessionConfig(
         model=req.model, voice=voice, speaker=req.speaker, response_format="pcm", sample_rate=rate,
-        stream_audio=True, split_granularity="sentence", word_timestamps=req.word_timestamps,
+        stream_audio=True, split_granularity="sentence", word_timestamps=req.word_timestamps, audio_frames="binary",
         **speech_fields(req))
     try:
         config = resolve_config(session, facts)
     except ProtocolError as exc:
         raise from_protocol_error(exc) from None
-    return SpeechPlan(input=req.input, instructions=req.instructions,
-                      units=split_units(req.input, facts.limits.max_unit_chars), config=config,
-                      params=speech_params(req), response_format=req.response_format, delivery=delivery)
+    units = split_units(req.input, facts.limits.max_unit_chars)
+    estimate = sum(estimate_seconds(unit.text, config) for unit in units)
+    limit = facts.limits.max_response_audio_s
+    if delivery == "whole" and estimate > limit:
+        raise audio_too_long(f"This input at speed {req.speed:g} is about {estimate:.0f} s of audio", limit)
+    return SpeechPlan(input=req.input, instructions=req.instructions, units=units, config=config,
+                      params=speech_params(req), response_format=req.response_format, delivery=delivery,
+                      audio_estimate_s=estimate)
+
+
+async def with_reference(ctx: ServerContext, plan: SpeechPlan, decoded: dict[str, VoiceSample] | None = None
+                         ) -> SpeechPlan:
+    """`plan` with its `ref_audio` decoded once, before any unit runs (in a worker thread), when the served
+    engine takes one; or raise a 400 `OpenAIError` naming `ref_audio` for audio that does not decode.
+    `decoded` caches references by value across the plans of one batch."""
+    value = plan.params.ref_audio
+    if value is None or not needs_reference(ctx, plan.params):
+        return plan
+    reference = None if decoded is None else decoded.get(value)
+    if reference is None:
+        try:
+            reference = await asyncio.to_thread(decode_reference, ctx, value)
+        except ProtocolError as exc:
+            raise from_protocol_error(exc) from None
+        if decoded is not None:
+            decoded[value] = reference
+    return dataclasses.replace(plan, reference=reference)
+
+
+def audio_too_long(what: str, limit: float) -> OpenAIError:
+    """The 400 for a non-streamed response (or batch) past `max_response_audio_s`."""
+    return OpenAIError(
+        400, f"{what}, more than the {limit:g} s one non-streamed response may hold; stream it (stream_format "
+        "'audio' or 'sse'), or send less text, a higher speed or a smaller batch", code="audio_too_long",
+        param="input")
+
+
+@dataclass(slots=True)
+class AudioBudget:
+    """Seconds of audio a non-streamed response may still hold; a batch's items share one."""
+
+    limit: float
+    spent: float = 0.0
+
+    def spend(self, seconds: float) -> None:
+        """Count `seconds` more; raise `audio_too_long` once past the limit (the estimate was short)."""
+        self.spent += seconds
+        if self.spent > self.limit:
+            raise audio_too_long("The audio ran long", self.limit)
 
 
 def split_units(text: str, max_unit_chars: int) -> tuple[TextUnit, ...]:
@@ -175,33 +259,47 @@ def split_units(text: str, max_unit_chars: int) -> tuple[TextUnit, ...]:
 
 @dataclass(slots=True)
 class Usage:
-    """OpenAI's speech usage: input tokens are characters of `input` plus `instructions` (the unit
-    OpenAI bills tts-1 by), output tokens 25 ms frames of audio."""
+    """Speech usage, vllm-omni's split of the input: `text_tokens` are characters of `input` plus
+    `instructions` (the unit OpenAI bills tts-1 by); `audio_tokens` the reference-audio codec tokens the
+    engine fed its model as voice-cloning conditioning, summed over the request's units (each unit is one
+    engine request and carries its reference; the engine reports them, `AudioPiece.input_audio_tokens`;
+    0 without a reference); output tokens 25 ms frames of audio."""
 
-    input_tokens: int
+    text_tokens: int
+    audio_tokens: int
     output_tokens: int
+
+    @property
+    def input_tokens(self) -> int:
+        return self.text_tokens + self.audio_tokens
 
     @property
     def total_tokens(self) -> int:
         return self.input_tokens + self.output_tokens
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, object]:
+        """vllm-omni's usage object (`speech.audio.done`, batch items): the totals and the split of the input
+        tokens by modality."""
         return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
-                "total_tokens": self.total_tokens}
+                "total_tokens": self.total_tokens,
+                "input_token_details": {"text_tokens": self.text_tokens, "audio_tokens": self.audio_tokens}}
 
 
 @dataclass(slots=True)
 class SpeechSynthesis:
     """One planned request through the shared pipeline. Iterate `chunks()` once; then read `usage`,
     `words` and `audio_seconds`. `started` is the request's arrival (`time.monotonic()`): it orders the
-    units' engine deadlines against every other session's."""
+    units' engine deadlines against every other session's. A non-streamed response spends its audio from
+    `budget` (`chunks()` raises `audio_too_long` past it)."""
 
     ctx: ServerContext
     plan: SpeechPlan
     request_id: str
     started: float
+    budget: AudioBudget | None = None
     samples: int = 0
-    engine_s: float = 0.0
+    input_audio_tokens: int = 0
+    """Reference-audio tokens the engine fed its model, every unit (`Usage.audio_tokens`)."""
     words: list[WordTiming] = field(default_factory=list)
 
     @property
@@ -215,64 +313,71 @@ class SpeechSynthesis:
     @property
     def usage(self) -> Usage:
         text_tokens = len(self.plan.input) + len(self.plan.instructions or "")
-        return Usage(text_tokens, math.ceil(self.audio_seconds * AUDIO_TOKENS_PER_SECOND))
+        return Usage(text_tokens, self.input_audio_tokens, math.ceil(self.audio_seconds * AUDIO_TOKENS_PER_SECOND))
 
     async def chunks(self) -> AsyncGenerator[bytes]:
         """The response body in the requested format, chunk by chunk as units are synthesized.
-        Engine failures propagate (after the unit tasks are cancelled)."""
+        Engine failures propagate (after the unit tasks are cancelled). A compressed format is encoded on
+        `ctx.audio`'s threads, off the event loop."""
         plan = self.plan
         encoder = make_encoder(plan.response_format, self.sample_rate, streaming=plan.delivery != "whole")
+        off_loop = plan.response_format not in STREAMABLE_FORMATS
         try:
             async with aclosing(self._pieces()) as pieces:
-                async for unit, offset_ms, piece in pieces:
+                async for piece in pieces:
                     self.samples += piece.samples
-                    self.ctx.metrics.audio_seconds.labels("rest").inc(piece.samples / self.sample_rate)
-                    if plan.config.word_timestamps and piece.words:
-                        self.words.extend(place_words(piece.words, unit.text, unit.char_start, offset_ms))
-                    data = encoder.encode(piece.data)
+                    if self.budget is not None:
+                        self.budget.spend(piece.samples / self.sample_rate)
+                    data = await self.ctx.audio.run_if(off_loop, encoder.encode, piece.data)
                     if data:
                         yield data
-            tail = encoder.finish()
+            tail = await self.ctx.audio.run_if(off_loop, encoder.finish)
             if tail:
                 yield tail
         finally:
             encoder.close()
 
-    async def _pieces(self) -> AsyncGenerator[tuple[TextUnit, float, RenderedPiece]]:
-        """Rendered pieces in text order with their unit and the unit's offset (ms) in the output."""
-        units = self.plan.units
-        cap = self.ctx.settings.max_units_in_flight
-        metrics = self.ctx.metrics
+    async def _pieces(self) -> AsyncGenerator[RenderedPiece]:
+        """Rendered pieces in text order, through the same `OutputMachine` as a WebSocket session (the plan's
+        units as one utterance, all committed at the request's arrival); their words, on the output
+        timeline, go to `words`. A unit's failure is raised after the pieces before it."""
+        config = self.plan.config
+        output = OutputMachine(self.ctx.settings.max_units_in_flight)
         wake = asyncio.Event()
-        runs: deque[tuple[TextUnit, UnitRun]] = deque()
-        started = 0
-        estimate_s = 0.0
+        runs = UnitRuns(self.ctx, output, lambda unit: f"{self.request_id}-{unit.sentence_index}", "rest", wake.set,
+                        stream=True)
+        committed_ms = self.started * 1000.0
         try:
-            while runs or started < len(units):
-                while started < len(units) and len(runs) < cap:
-                    unit = units[started]
-                    runs.append((unit, UnitRun.start(self.ctx, f"{self.request_id}-{unit.index}", unit.text,
-                                                     self.plan.config, self.plan.params,
-                                                     self.started + estimate_s, wake.set, stream=True)))
-                    estimate_s += estimate_seconds(unit.text, self.plan.config)
-                    started += 1
-                unit, run = runs[0]
-                offset_ms = self.samples * 1000.0 / self.sample_rate
-                while run.outbox or not run.done:
-                    if run.outbox:
-                        yield unit, offset_ms, run.outbox.popleft()
-                    else:
-                        wake.clear()
-                        await wake.wait()
-                runs.popleft()
-                if run.error is not None:
-                    metrics.units.labels("failed").inc()
-                    raise run.error
-                metrics.units.labels("ok").inc()
-                self.engine_s += run.engine_s
+            for unit in self.plan.units:
+                output.commit(Unit(utterance_index=0, sentence_index=unit.index, text=unit.text,
+                                   char_start=unit.char_start, char_end=unit.char_start + len(unit.text),
+                                   config=config, params=self.plan.params, context_id=None,
+                                   committed_ms=committed_ms, reference=self.plan.reference),
+                              estimate_seconds(unit.text, config) * 1000.0)
+            output.finish_utterance(0, len(self.plan.units))
+            runs.settle()
+            while True:
+                frame = output.next_output(time.monotonic() * 1000.0)
+                runs.settle()
+                if runs.failed is not None and runs.error is not None:
+                    error = runs.error
+                    if isinstance(error, UnitTooLong):
+                        raise OpenAIError(400, f"Sentence {runs.failed.unit.sentence_index} {error}; send shorter "
+                                          "sentences or use a higher speed", code="unit_too_long",
+                                          param="input") from error
+                    raise error
+                if frame is None:
+                    wake.clear()
+                    await wake.wait()
+                elif isinstance(frame, RenderedPiece):
+                    yield frame
+                elif isinstance(frame, AudioWords):
+                    self.words.extend(frame.words)
+                elif isinstance(frame, SessionDone):
+                    return
         finally:
             # Units left behind (client gone, or a unit failed): those in flight and those never started.
-            metrics.units.labels("cancelled").inc(len(runs) + len(units) - started)
-            for _, run in runs:
-                run.task.cancel()
-            await asyncio.gather(*(run.task for _, run in runs), return_exceptions=True)
+            output.close(announce=False)
+            runs.settle()
+            await runs.aclose()
+            self.input_audio_tokens = runs.input_audio_tokens

@@ -18,6 +18,9 @@ from voicewire.realtime.settings import Settings
 
 T = TypeVar("T")
 
+API_KEY = "test-key-0123456789"
+"""The key of the `keyed_server` fixture."""
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -25,13 +28,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ServerThread:
+class Loopback:
+    """A voicewire server listening on 127.0.0.1:`port` (set by the subclass): its HTTP and stream URLs."""
+
+    port: int
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/audio/speech/stream"
+
+
+class ServerThread(Loopback):
     """Starts `create_app(settings, engine)` on 127.0.0.1 in a daemon thread; `stop()` shuts it down.
 
-    Settings without API keys run the server open (`allow_unauthenticated`); tests of auth pass keys.
+    Settings without API keys run the server open (`allow_unauthenticated`); tests of auth pass keys. The
+    constructor returns once the engine is warm, or raises (the server stopped) when the engine fails or is
+    not warm within `start_timeout_s`.
     """
 
-    def __init__(self, settings: Settings | None = None, engine: Engine | None = None) -> None:
+    def __init__(self, settings: Settings | None = None, engine: Engine | None = None,
+                 start_timeout_s: float = 120.0) -> None:
         self.port = free_port()
         settings = settings or Settings()
         if not settings.api_keys and settings.api_keys_file is None:
@@ -45,7 +65,9 @@ class ServerThread:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
-        self._started.wait(120)
+        if not self._started.wait(start_timeout_s):
+            self.stop()
+            raise TimeoutError(f"the engine was not warm within {start_timeout_s} s")
         if self._error is not None:
             raise self._error
 
@@ -60,13 +82,11 @@ class ServerThread:
         assert ctx is not None
         return ctx
 
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/audio/speech/stream"
+    def engine_as(self, kind: type[T]) -> T:
+        """The running server's engine, checked to be a `kind` (for tests of one engine's own state)."""
+        engine = self.ctx.engine
+        assert isinstance(engine, kind), f"the server runs {type(engine).__name__}, not {kind.__name__}"
+        return engine
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -91,6 +111,13 @@ class ServerThread:
     def call(self, fn: Callable[[], Coroutine[Any, Any, T]], timeout: float = 30.0) -> T:
         """Run a coroutine on the server's loop (for inspecting server state safely)."""
         return asyncio.run_coroutine_threadsafe(fn(), self.loop).result(timeout)
+
+    async def open_peer_ports(self) -> set[int]:
+        """On the server's loop (`call`, `run_coroutine_threadsafe`): the client-side ports of the TCP
+        connections the server holds open, for tests that check a closed session left no socket behind."""
+        web_server = self._runner.server
+        handlers = [] if web_server is None else web_server.connections
+        return {h.transport.get_extra_info("peername")[1] for h in handlers if h.transport is not None}
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(60)

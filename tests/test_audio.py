@@ -31,6 +31,8 @@ from voicewire.protocol.audio import (
 )
 from voicewire.protocol.encoders import make_encoder
 
+from tests.rest_audio import decode
+
 SR = 24000
 
 
@@ -179,7 +181,7 @@ def test_encode_raw_and_bytes_per_sample_agree() -> None:
     with pytest.raises(ValueError):
         bytes_per_sample("mp3")
     assert STREAMABLE_FORMATS == {"pcm", "wav", "mulaw", "alaw"}
-    assert set(CONTENT_TYPES) == {"pcm", "wav", "mulaw", "alaw", "flac", "mp3", "opus"}
+    assert set(CONTENT_TYPES) == {"pcm", "wav", "mulaw", "alaw", "flac", "mp3", "opus", "aac"}
 
 
 # --- WAV header --------------------------------------------------------------------------------------
@@ -262,6 +264,18 @@ def test_encode_file_decodes_with_right_rate_and_duration(fmt: AudioFormat, rate
     assert abs(peak_frequency(decoded, out_rate) - 440) < 5
     if fmt in ("wav", "flac"):
         np.testing.assert_allclose(decoded, x, atol=1 / 32767)
+
+
+@pytest.mark.parametrize("rate", [24000, 16000, 9000])
+def test_encode_file_aac_is_adts_at_an_mpeg_rate(rate: int) -> None:
+    x = sine(440, 1.0, rate=rate)
+    data = encode_file(x, rate, "aac")
+    assert data[0] == 0xFF and data[1] & 0xF6 == 0xF0, "ADTS sync word"
+    decoded, out_rate = decode(data, "aac")
+    assert out_rate == {24000: 24000, 16000: 16000, 9000: 11025}[rate]
+    assert abs(len(decoded) - out_rate) <= 3 * 1024  # priming and the padded last frame
+    assert abs(peak_frequency(decoded, out_rate) - 440) < 5
+    assert encode_file(np.zeros(0, np.float32), rate, "aac") == b""
 
 
 def test_encode_file_raw_formats_equal_encode_raw() -> None:

@@ -8,23 +8,26 @@ only outside CI.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from voicewire.realtime.settings import Settings
 
-from tests.server import ServerThread, free_port
+from tests.proxy import Proxy
+from tests.server import API_KEY, ServerThread, free_port
 
 BROWSER_DIR = Path(__file__).parent / "browser"
 DRIVER = BROWSER_DIR / "drive.mjs"
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
-SCREENSHOT = Path(__file__).parent.parent / "docs" / "demo-screenshot.png"
+DOCS_SCREENSHOT = Path(__file__).parent.parent / "docs" / "demo-screenshot.png"
+"""Refreshed only on request (`VOICEWIRE_UPDATE_SCREENSHOT=1`): a test run leaves the checkout as it was."""
 
 _missing = [what for what, ok in (
     (str(CHROMIUM), CHROMIUM.exists()),
@@ -49,21 +52,17 @@ def drive(*args: str) -> Record:
 
 
 @pytest.fixture(scope="module")
-def demo(server: ServerThread) -> Record:
-    """One browser session: load, speak a paragraph, stop a long answer, speak again."""
-    SCREENSHOT.parent.mkdir(exist_ok=True)
-    return drive("main", server.http_url, str(SCREENSHOT))
-
-
-KEY = "demo-key-0123456789"
+def screenshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the demo's screenshot goes: docs/ when `VOICEWIRE_UPDATE_SCREENSHOT` is set, else a temp dir."""
+    if os.environ.get("VOICEWIRE_UPDATE_SCREENSHOT"):
+        return DOCS_SCREENSHOT
+    return tmp_path_factory.mktemp("browser") / "demo-screenshot.png"
 
 
 @pytest.fixture(scope="module")
-def keyed_server() -> Iterator[ServerThread]:
-    """A server that needs an API key (the shared `server` runs open)."""
-    srv = ServerThread(Settings(api_keys=(KEY,)))
-    yield srv
-    srv.stop()
+def demo(server: ServerThread, screenshot: Path) -> Record:
+    """One browser session: load, speak a paragraph, stop a long answer, speak again."""
+    return drive("main", server.http_url, str(screenshot))
 
 
 def samples_sent(rec: Record) -> int:
@@ -71,13 +70,13 @@ def samples_sent(rec: Record) -> int:
     return int(rec["sentBytes"]) // 2
 
 
-def test_demo_page_loads_connected_without_console_errors(demo: Record) -> None:
+def test_demo_page_loads_connected_without_console_errors(demo: Record, screenshot: Path) -> None:
     assert demo["errorsAfterLoad"] == []
     assert demo["consoleErrors"] == []
     assert demo["loaded"]["message"] is None
     assert demo["loaded"]["engine"] == "hibari"
     assert demo["loaded"]["connection"].startswith("connected")
-    assert SCREENSHOT.stat().st_size > 10_000
+    assert screenshot.stat().st_size > 10_000
 
 
 def test_paragraph_plays_every_sample_the_server_sent(demo: Record) -> None:
@@ -155,6 +154,85 @@ def test_missing_token_asks_for_one(keyed_server: ServerThread) -> None:
 
 
 def test_the_right_token_in_the_page_url_connects(keyed_server: ServerThread) -> None:
-    loaded = drive("load", f"{keyed_server.http_url}/?token={KEY}")
+    loaded = drive("load", f"{keyed_server.http_url}/?token={API_KEY}")
     assert loaded["message"] is None and loaded["connection"].startswith("connected")
     assert loaded["consoleErrors"] == []
+
+
+def test_after_stop_played_shows_what_was_heard_not_the_dropped_rest(demo: Record) -> None:
+    stopped = demo["stopped"]
+    rate, ack = stopped["sampleRate"], stopped["stopAck"]
+    heard = ack["played"] - stopped["playedAtStart"]  # the worklet's own count, from the utterance's start
+    assert ack["dropped"] - stopped["droppedAtStart"] > rate // 10, "Stop dropped queued audio"
+    assert demo["playedShownAfterStop"] == f"{heard / rate:.2f} s"
+    assert stopped["heardSamples"] == heard == ack["at"] - stopped["startIndex"]
+
+
+def test_the_page_shows_reconnecting_and_plays_on_after_its_connection_is_cut(server: ServerThread) -> None:
+    """The page's WebSocket goes through a TCP proxy that cuts it mid-audio (no close frame, as when a
+    network vanishes); the client reconnects, resumes, and the paragraph plays whole: every sample the
+    server sent for it, once."""
+    proxy = Proxy(server.port)
+    server.call(proxy.__aenter__)
+    try:
+        proxy.limits["down"] = 40_000  # past session.updated, inside the first sentence's audio
+        report = drive("resume", f"{server.http_url}/?url={proxy.url()}")
+    finally:
+        server.call(proxy.__aexit__)
+    assert proxy.cut.is_set()
+    assert report["reconnecting"] >= 1 and report["resumes"] == 1
+    assert any(b.startswith("reconnecting") for b in report["badges"]), report["badges"]
+    assert report["connection"].startswith("connected") and report["message"] is None
+    rec = report["paragraph"]
+    assert rec["ended"] and not rec["cancelled"] and rec["serverDone"]["total_sentences"] == 3
+    sent = samples_sent(rec)
+    assert rec["bytesReceived"] == rec["sentBytes"]
+    assert rec["playedAtEnd"] - rec["playedAtStart"] == sent, "every sample played once, none skipped"
+    assert report["consoleErrors"] == []
+
+
+def test_closing_the_js_client_while_it_reconnects_ends_the_session_on_the_server() -> None:
+    """The JS client's socket is cut mid-audio and its first resume attempt is refused (the network is still
+    down); `close()` is called meanwhile, so it falls between two attempts. The client goes on resuming only
+    to deliver `session.close`: the server ends the session at once (not when its resume window of 10
+    minutes passes) and keeps nothing of it; the client emits no "resumed", no error and no audio after
+    `close()`, then "close" with the server's normal close."""
+    srv = ServerThread(Settings(resume_window_s=600.0))
+    proxy = Proxy(srv.port)
+    srv.call(proxy.__aenter__)
+    try:
+        proxy.limits["down"] = 40_000  # past session.updated (acknowledged at once), inside the audio
+        proxy.refuse_after_cut = 1
+        report = drive("close-reconnecting", f"{srv.http_url}/?proxy={proxy.url()}")
+        session_id = report["sessionId"]
+
+        async def traces() -> list[str]:
+            found = [f"session {s.session_id}" for s in srv.ctx.sessions if s.session_id == session_id]
+            found += ["registry"] if session_id in srv.ctx.resumes else []
+            found += [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith(session_id)]
+            found += [f"socket from port {p}" for p in set(proxy.upstream_ports) & await srv.open_peer_ports()]
+            return found
+
+        left = srv.call(traces)
+        for _ in range(300):
+            if not left:
+                break
+            time.sleep(0.1)
+            left = srv.call(traces)
+        assert not left, f"left on the server after close(): {left}"
+        assert proxy.cuts == 1 and proxy.refused == 1
+    finally:
+        srv.call(proxy.__aexit__)
+        srv.stop()
+    assert report["closeCalled"] and report["emitted"] == ["reconnecting 1", "reconnecting 2"], report
+    assert report["audioAfterClose"] == 0
+    assert report["close"]["code"] == 1000, report["close"]
+    assert srv.ctx.metrics.resumes_succeeded._value.get() == 1
+    assert srv.ctx.metrics.resumes_expired._value.get() == 0
+    # Chromium may log the refused attempt (its own network log, which can reach the page after the report
+    # is taken, naming whichever socket error it saw: ERR_CONNECTION_RESET, ERR_SOCKET_NOT_CONNECTED, ...);
+    # nothing else may be logged: the client itself reports no error after close().
+    refused = [
+        e for e in report["consoleErrors"] if "?session_id=" in e and "failed: Error in connection establishment" in e
+    ]
+    assert len(refused) <= 1 and report["consoleErrors"] == refused, report["consoleErrors"]

@@ -12,7 +12,7 @@ from voicewire.realtime.settings import Settings
 
 from tests.faults import FaultInjectingEngine
 from tests.server import ServerThread
-from tests.wsclient import configure, recv_until, send
+from tests.wsclient import Received, configure, recv_until, send, utter
 
 STREAM = {"split_granularity": "sentence", "response_format": "pcm", "stream_audio": True}
 
@@ -62,25 +62,15 @@ async def test_a_hung_unit_is_cancelled_at_its_deadline_with_a_clear_error(fault
 
 
 async def test_faults_in_one_session_leave_another_untouched(faulty: ServerThread) -> None:
-    async def victim() -> list[bool]:
+    async def session(text: str) -> Received:
         async with websockets.connect(faulty.ws_url) as ws:
             await configure(ws, **STREAM)
-            await send(ws, {"type": "input.text", "text": "[raise] Broken. [raise] Broken again. [hang] Stuck."})
-            await send(ws, {"type": "input.done"})
-            got = await recv_until(ws, "session.done")
-            return [d["error"] for d in got.of("audio.done")]
+            return await utter(ws, text)
 
-    async def bystander() -> list[bool]:
-        async with websockets.connect(faulty.ws_url) as ws:
-            await configure(ws, **STREAM)
-            await send(ws, {"type": "input.text", "text": "I am fine. So is this sentence. And this one."})
-            await send(ws, {"type": "input.done"})
-            got = await recv_until(ws, "session.done")
-            assert not got.of("error")
-            return [d["error"] for d in got.of("audio.done")]
-
-    broken, fine = await asyncio.gather(victim(), bystander())
-    assert broken == [True, True, True] and fine == [False, False, False]
+    victim, bystander = await asyncio.gather(session("[raise] Broken. [raise] Broken again. [hang] Stuck."),
+                                             session("I am fine. So is this sentence. And this one."))
+    assert [d["error"] for d in victim.of("audio.done")] == [True, True, True]
+    assert not bystander.of("error") and [d["error"] for d in bystander.of("audio.done")] == [False, False, False]
 
 
 async def test_rest_engine_failures_are_reported_in_openai_shape(faulty: ServerThread) -> None:

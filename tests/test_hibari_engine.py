@@ -8,8 +8,10 @@ from collections.abc import AsyncGenerator, Iterator
 import numpy as np
 import pytest
 from hibari import Hibari
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from voicewire.adapters.base import Engine
-from voicewire.adapters.hibari import DURATION_UNIT, HibariEngine
+from voicewire.adapters.hibari import DURATION_UNIT, MAX_TOKEN_CHARS, HibariEngine, phonemizer_text
 from voicewire.protocol.engine import AudioPiece, SynthesisRequest, WordSpan
 
 TOLKIEN = "On the 3rd of March 2024, Dr. Smith paid $9.99 to J. R. R. Tolkien's estate."
@@ -222,3 +224,72 @@ async def test_closing_the_iterator_after_the_first_piece_stops_the_next_chunk(e
     await wait_for_idle_worker(engine)
     assert engine.stats.cancelled == before.cancelled + 1
     assert engine.stats.completed == before.completed
+
+
+# --- hostile text (issue 14 #4, #17) ----------------------------------------------------------------------
+
+HOSTILE = {
+    "hyphen chain": "-".join(["ab"] * 84),
+    "camel case": "aB" * 125,
+    "letters and digits": "a1" * 125,
+    "at signs": "a@b." * 60,
+    "slashes": "/".join(["ab"] * 84),
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("ab1-/. \n,'")), max_size=300))
+def test_phonemizer_text_cuts_long_runs_and_maps_every_character_back(text: str) -> None:
+    spoken, origin = phonemizer_text(text)
+    assert all(len(run) <= MAX_TOKEN_CHARS for run in spoken.split())
+    if origin is None:
+        assert spoken == text
+        return
+    assert len(origin) == len(spoken) and origin == sorted(origin)
+    kept = [i for i, index in enumerate(origin) if i == 0 or index != origin[i - 1]]
+    assert "".join(spoken[i] for i in kept) == text  # only spaces were inserted
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_g2p_work_per_character_is_bounded_for_text_built_to_be_expensive(raw_hibari: Hibari, name: str) -> None:
+    """hibari's G2P tries every span of a whitespace-free run's sub-tokens against its lexicon (cubic): the
+    text it gets from us keeps the lexicon lookups to a constant per character (about 60 per character and
+    seconds of CPU for some of these as sent)."""
+    g2p = raw_hibari.g2p
+    lexicon = g2p.lexicon
+    calls = 0
+
+    def counted(*args: object) -> object:
+        nonlocal calls
+        calls += 1
+        return lexicon(*args)
+
+    text = HOSTILE[name]
+    try:
+        g2p.lexicon = type("CountedLexicon", (), {"__call__": staticmethod(counted),
+                                                  "__getattr__": lambda _self, attr: getattr(lexicon, attr)})()
+        raw_hibari.phonemize(phonemizer_text(text)[0])
+    finally:
+        g2p.lexicon = lexicon
+    assert calls <= (MAX_TOKEN_CHARS // 2 + 4) * len(text)  # k sub-tokens in a run cost about k * k / 2
+
+
+async def test_a_run_of_100_digits_is_spoken(engine: HibariEngine) -> None:
+    """hibari's number reader raised IndexError past 36 digits; the run is read in pieces instead."""
+    text = "Call " + "7" * 100 + " now."
+    pieces = await collect(engine, text)
+    assert sum(len(p.samples) for p in pieces) > 0
+    assert_spans_well_formed(pieces)
+    spoken = [text[w.char_start : w.char_end] for w in all_words(pieces)]
+    assert spoken[0] == "Call" and spoken[-1] == "now"
+    assert "".join(spoken[1:-1]) == "7" * 100
+
+
+async def test_word_spans_of_a_cut_run_index_the_text_as_sent(engine: HibariEngine) -> None:
+    text = "See " + HOSTILE["hyphen chain"] + " here."
+    pieces = await collect(engine, text)
+    assert_spans_well_formed(pieces)
+    words = all_words(pieces)
+    assert text[words[0].char_start : words[0].char_end] == "See"
+    assert text[words[-1].char_start : words[-1].char_end] == "here"
+    assert all(text[w.char_start : w.char_end].strip("-") for w in words)

@@ -128,7 +128,7 @@ async def test_a_pooled_socket_the_server_dropped_is_replaced(plugin: voicewire.
 
     async def drop() -> None:
         runtime = next(r for r in server.ctx.sessions if r.session_id == pooled.updated.session_id)  # type: ignore
-        await runtime.ws.close(code=1001, message=b"going away")
+        await runtime.shutdown(1001, "going away")  # the server ends the session (a close frame: no resume)
 
     server.call(drop)
     async with plugin.synthesize("Hello again.") as chunked:

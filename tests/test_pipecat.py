@@ -23,15 +23,18 @@ from pipecat.frames.frames import (
     TTSStartedFrame,
     TTSStoppedFrame,
     TTSTextFrame,
+    TTSUpdateSettingsFrame,
 )
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode
 from pipecat.workers.runner import WorkerRunner
 from voicewire_client.pipecat import VoicewireTTSService
 
 from tests.llm_text import LONG_REPLY, REPLY, llm_tokens
+from tests.proxy import Proxy
 from tests.server import ServerThread
 
 PIPELINE_RATE = 16000
@@ -217,3 +220,64 @@ async def test_a_dropped_socket_is_replaced_and_the_next_turn_is_spoken(server: 
         await run.sink.wait_for(lambda fs: any(isinstance(f, TTSStoppedFrame) for f in fs))
         assert " ".join(w.text for w in spoken_words(run.sink.frames)).split() == ["Back", "again."]
         assert run.sink.of(TTSAudioRawFrame)
+
+
+async def test_a_refused_session_config_is_reported_as_an_error(server: ServerThread) -> None:
+    tts = VoicewireTTSService(url=server.ws_url, voice="no-such-voice")
+    async with pipeline(tts) as run:
+        async with asyncio.timeout(30):
+            while not run.errors.errors:
+                await asyncio.sleep(0.05)
+        assert tts.session_id is None
+    message = run.errors.errors[0].error
+    assert "refused the session config: invalid_config: Invalid session config: voice: unknown voice" in message
+
+
+async def test_a_voice_change_reconfigures_the_same_socket_before_the_next_turn(server: ServerThread) -> None:
+    tts = VoicewireTTSService(url=server.ws_url, voice="heart")
+    async with pipeline(tts) as run:
+        session = tts.session_id
+        assert tts._session is not None
+        first = tts._session.updated
+        await run.send([TTSUpdateSettingsFrame(delta=TTSSettings(voice="alloy"))])
+        await run.send(llm_reply("A new voice speaks."))
+        await run.sink.wait_for(lambda fs: any(isinstance(f, TTSStoppedFrame) for f in fs))
+        assert tts.session_id == session
+        again = tts._session.updated
+        assert again is not None and again is not first, "session.config was sent again and answered"
+        assert again.config["voice"] == "heart"  # alloy is an alias of hibari's one voice
+        assert " ".join(w.text for w in spoken_words(run.sink.frames)).split() == "A new voice speaks.".split()
+        assert not run.errors.errors
+
+
+async def _spoken(url: str, proxy: Proxy | None = None) -> tuple[bytes, list[str], VoicewireTTSService]:
+    """One LLM reply through a pipeline on `url` (the connection cut a third into its audio when a `proxy`
+    is given): the audio and the words the pipeline got, and the service."""
+    tts = VoicewireTTSService(url=url, voice="heart", session_config={"seed": 7},
+                              text_aggregation_mode=TextAggregationMode.TOKEN)
+    async with pipeline(tts) as run:
+        session = tts.session_id
+        if proxy is not None:
+            proxy.limits["down"] = proxy.passed["down"] + 60_000  # about 2 s into the reply's 16 kHz audio
+        await run.send(llm_reply(REPLY))
+        await run.sink.wait_for(lambda fs: any(isinstance(f, TTSStoppedFrame) for f in fs))
+        assert tts.session_id == session, "the same server session served the whole turn"
+        assert not run.errors.errors
+        audio = b"".join(f.audio for f in run.sink.of(TTSAudioRawFrame))
+        return audio, [w.text for w in spoken_words(run.sink.frames)], tts
+
+
+async def test_a_connection_dropped_mid_reply_resumes_and_the_turn_plays_whole_once(server: ServerThread) -> None:
+    """A network blip (the TCP connection cut, no close frame) in the middle of a reply: the service's
+    session resumes on a new connection, and the pipeline gets every sample of the reply once, the same as
+    an uncut run, with every word."""
+    reference, words, _ = await _spoken(server.ws_url)
+    sessions = server_count(server, "voicewire_sessions_total")
+    async with Proxy(server.port) as proxy:
+        audio, resumed_words, tts = await _spoken(proxy.url(), proxy)
+        assert proxy.cut.is_set()
+    assert tts._session is None  # closed at the EndFrame
+    assert server_count(server, "voicewire_sessions_total") == sessions + 1, "resumed, not reopened"
+    assert server_count(server, "voicewire_resumes_succeeded_total") >= 1
+    assert len(audio) == len(reference) and audio == reference
+    assert resumed_words == words

@@ -7,13 +7,12 @@ import subprocess
 import sys
 import threading
 import wave
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from voicewire.protocol.audio import float_to_alaw, float_to_mulaw
-from voicewire.realtime.settings import Settings
 from voicewire_client import (
     AudioCancelled,
     AudioData,
@@ -22,12 +21,16 @@ from voicewire_client import (
     ServerError,
     SessionDone,
     UnitDecoder,
+    UnknownEvent,
     connect,
+    decode_event,
+    parse_event,
     speak,
     stream,
 )
 
-from tests.server import ServerThread, free_port
+from tests.rest_audio import decode
+from tests.server import API_KEY, ServerThread, free_port
 
 TEXT = "Hello from the Python client. It writes a wave file, and the file has the right length."
 
@@ -46,17 +49,6 @@ def reported_seconds(stats_line: str) -> float:
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "voicewire_client", *args], input=stdin, capture_output=True,
                           text=True, timeout=120)
-
-
-KEY = "client-key-0123456789"
-
-
-@pytest.fixture(scope="module")
-def keyed_server() -> Iterator[ServerThread]:
-    """A server that needs an API key (the shared `server` runs open)."""
-    srv = ServerThread(Settings(api_keys=(KEY,)))
-    yield srv
-    srv.stop()
 
 
 async def test_speak_writes_a_wav_with_the_duration_the_server_reports(server: ServerThread, tmp_path: Path) -> None:
@@ -222,7 +214,7 @@ def test_wrong_token_is_a_clear_error_and_a_nonzero_exit(keyed_server: ServerThr
 
 def test_the_right_token_speaks(keyed_server: ServerThread, tmp_path: Path) -> None:
     out = tmp_path / "keyed.wav"
-    done = cli("say", "The key works.", "-o", str(out), "--url", keyed_server.http_url, "--token", KEY)
+    done = cli("say", "The key works.", "-o", str(out), "--url", keyed_server.http_url, "--token", API_KEY)
     assert done.returncode == 0, done.stderr
     assert wav_seconds(out) > 0.5
 
@@ -232,3 +224,73 @@ def test_server_error_event_is_a_clear_error_and_a_nonzero_exit(server: ServerTh
     assert done.returncode == 1
     assert done.stderr.startswith("voicewire-client: error: server error invalid_config: Invalid session config: "
                                   "voice: unknown voice 'no-such-voice'")
+
+
+@pytest.mark.parametrize("text", ["", "   ", "\n\t "])
+def test_cli_refuses_empty_text_with_a_usage_error(server: ServerThread, tmp_path: Path, text: str) -> None:
+    out = tmp_path / "empty.wav"
+    done = cli("say", text, "-o", str(out), "--url", server.ws_url)
+    assert done.returncode == 2
+    assert done.stderr == "voicewire-client: error: nothing to say: the text is empty\n"
+    assert not out.exists()
+
+
+def test_cli_stdin_with_nothing_to_say_is_a_clear_error(server: ServerThread, tmp_path: Path) -> None:
+    out = tmp_path / "blank.wav"
+    done = cli("say", "-", "-o", str(out), "--url", server.ws_url, stdin="  \n \n")
+    assert done.returncode == 1
+    assert done.stderr == "voicewire-client: error: nothing was spoken: the text has no words to say\n"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("name", "fmt", "magic"), [
+    ("hi.opus", "opus", b"OggS"), ("hi.ogg", "opus", b"OggS"), ("hi.flac", "flac", b"fLaC"),
+    ("hi.mp3", "mp3", None), ("hi.aac", "aac", b"\xff"),
+])
+def test_cli_writes_the_format_the_file_name_asks_for(server: ServerThread, tmp_path: Path, name: str, fmt: str,
+                                                      magic: bytes | None) -> None:
+    out = tmp_path / name
+    done = cli("say", "The extension picks the format.", "-o", str(out), "--url", server.ws_url, "--stats")
+    assert done.returncode == 0, done.stderr
+    data = out.read_bytes()
+    assert magic is None or data.startswith(magic)
+    samples, _ = decode(data, fmt)
+    assert len(samples) / 24000 == pytest.approx(reported_seconds(done.stdout.splitlines()[-1]), abs=0.15)
+
+
+def test_cli_writes_a_wav_file_from_any_streamed_format(server: ServerThread, tmp_path: Path) -> None:
+    out = tmp_path / "mulaw.wav"
+    done = cli("say", "Mu-law on the wire, a WAV on disk.", "-o", str(out), "--url", server.ws_url, "--format",
+               "mulaw", "--stats")
+    assert done.returncode == 0, done.stderr
+    assert wav_seconds(out) == pytest.approx(reported_seconds(done.stdout.splitlines()[-1]), abs=0.01)
+
+
+@pytest.mark.parametrize(("name", "fmt", "message"), [
+    ("hi.wav", "opus", "-o {out} is written from decoded samples, but --format opus comes as one encoded file; "
+                       "name the file .opus or pick one of alaw, mulaw, pcm, wav"),
+    ("hi.mp3", "pcm", "-o {out} is for mp3 audio but --format is pcm; drop --format (the extension picks the "
+                      "format) or rename the file"),
+    ("hi.opus", "flac", "-o {out} is for opus audio but --format is flac; drop --format (the extension picks the "
+                        "format) or rename the file"),
+])
+def test_cli_refuses_a_format_the_file_name_contradicts(server: ServerThread, tmp_path: Path, name: str, fmt: str,
+                                                        message: str) -> None:
+    out = tmp_path / name
+    done = cli("say", "Hello.", "-o", str(out), "--format", fmt, "--url", server.ws_url)
+    assert done.returncode == 2
+    assert done.stderr == f"voicewire-client: error: {message.format(out=out)}\n"
+    assert not out.exists()
+
+
+def test_events_decode_by_type_tag_and_unknown_types_are_kept_whole() -> None:
+    done = decode_event('{"type": "session.done", "utterance_index": 2, "total_sentences": 1, "audio_ms": 5,'
+                        ' "timings": {"first_audio_ms": 12.5, "engine_ms": 3}, "new_field": 1}')
+    assert isinstance(done, SessionDone) and done.first_audio_ms == 12.5 and done.engine_ms == 3.0
+    assert parse_event({"type": "audio.cancelled", "utterance_index": 1, "audio_ms": 0}) == AudioCancelled(1, 0.0)
+    future = {"type": "speech.flourish", "level": 3}
+    assert decode_event('{"type": "speech.flourish", "level": 3}') == parse_event(future) == UnknownEvent(
+        "speech.flourish", future)
+    with pytest.raises(ValueError, match="audio_ms"):
+        parse_event({"type": "audio.done", "utterance_index": 0, "sentence_index": 0, "total_bytes": 1,
+                     "error": False})

@@ -26,7 +26,7 @@ def render(fmt: AudioFormat, *, stream: bool, output_rate: int = NATIVE, pieces:
     return out
 
 
-@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "opus"])
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "opus", "aac"])
 def test_a_whole_unit_is_one_decodable_file_sent_at_finish(fmt: AudioFormat) -> None:
     out = render(fmt, stream=False, output_rate=16000)
     assert all(not p.data and not p.samples for p in out[:-1])
@@ -52,4 +52,4 @@ def test_streamed_units_send_every_sample_as_it_comes(fmt: AudioFormat) -> None:
 
 
 def test_every_websocket_format_is_covered() -> None:
-    assert set(get_args(AudioFormat)) == {"wav", "flac", "mp3", "opus"} | STREAMABLE_FORMATS
+    assert set(get_args(AudioFormat)) == {"wav", "flac", "mp3", "opus", "aac"} | STREAMABLE_FORMATS

@@ -4,6 +4,7 @@ in one place, carried to the engine as typed fields; one reading of msgspec's va
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -11,11 +12,14 @@ import pytest
 from voicewire.protocol.engine import (
     SPEECH_FIELDS,
     EngineCapabilities,
+    EngineInfo,
     SpeechParams,
     SynthesisRequest,
+    conflicting_voice_source,
     unhonoured,
 )
 from voicewire.protocol.messages import (
+    ErrorEvent,
     InputDone,
     InputText,
     ProtocolError,
@@ -24,8 +28,9 @@ from voicewire.protocol.messages import (
     invalid_field,
 )
 from voicewire.protocol.render import render_plan, synthesis_request
-from voicewire.protocol.session import ServerFacts, SessionMachine, Synthesize, resolve_config
-from voicewire.realtime.speech import SpeechRequest
+from voicewire.protocol.session import Send, ServerFacts, SessionMachine, State, Synthesize, resolve_config
+from voicewire.realtime.openai_errors import OpenAIError
+from voicewire.realtime.speech import SpeechRequest, plan_speech
 
 from tests.test_session_machine import FACTS
 
@@ -105,3 +110,149 @@ def test_invalid_field_names_the_top_level_field(body: dict[str, Any], param: st
     with pytest.raises(msgspec.ValidationError) as caught:
         msgspec.convert(body, SpeechRequest)
     assert invalid_field(caught.value) == (param, str(caught.value))
+
+
+# -- The table: every request field on every engine -------------------------------------------------
+
+SAMPLES: dict[str, Any] = {
+    "instructions": "A calm voice.", "task_type": "VoiceDesign", "ref_audio": "data:audio/wav;base64,AAAA",
+    "ref_text": "Hello.", "x_vector_only_mode": True, "speaker_embedding": [0.1, 0.2], "seed": 7,
+    "max_new_tokens": 64, "initial_codec_chunk_frames": 1, "non_streaming_mode": False,
+    "ref_audio_2": "data:audio/wav;base64,AAAA", "ambient_sound": "rain", "duration_seconds": 2.0,
+    "references": [{"audio_path": "data:audio/wav;base64,AAAA", "text": "Hi."}],
+    "extra_params": {"temperature": 0.5},
+}
+"""A value asking for something, per request field (`speed` and `language` are checked otherwise)."""
+
+
+def engine_infos(root: Path) -> dict[str, EngineInfo]:
+    """The served engines' own facts, from the real constructors (nothing is started)."""
+    from voicewire.adapters.hibari import HibariEngine
+    from voicewire.adapters.omni import OmniConfig, OmniEngine
+    from voicewire.adapters.omni_families import omni_engine
+    from voicewire.adapters.omni_testing import write_fish_s2_pro, write_qwen3_tts
+    from voicewire.adapters.talker import TalkerConfig, TalkerEngine
+    from voicewire.adapters.talker_testing import write_snac, write_talker
+
+    talker = TalkerEngine(TalkerConfig(talker_model=str(write_talker(root / "talker", voices={"tara": [1]})),
+                                       codec_model=str(write_snac(root / "snac"))))
+    infos = {"hibari": HibariEngine().info, "talker": talker.info}
+    for kind in ("custom_voice", "voice_design", "base"):
+        infos[f"omni {kind}"] = OmniEngine(OmniConfig(model=str(write_qwen3_tts(root / kind, kind)))).info
+    infos["omni fish"] = omni_engine(OmniConfig(model=str(write_fish_s2_pro(root / "fish")))).info
+    return infos
+
+
+def facts_of(info: EngineInfo) -> ServerFacts:
+    return ServerFacts(info=info, limits=FACTS.limits, model_names=frozenset({info.name}), voice_aliases={},
+                       languages=frozenset(info.languages))
+
+
+def test_every_field_is_sampled() -> None:
+    assert set(SAMPLES) == set(SPEECH_FIELDS) - {"speed", "language"}  # a new field needs a row here
+
+
+def test_no_field_is_ignored_on_any_engine(tmp_path: Path) -> None:
+    """Every field on every engine: accepted only where the engine says it honours it (and then carried to
+    the engine as a typed field), otherwise refused by name, naming the engine, on both surfaces."""
+    for engine, info in engine_infos(tmp_path).items():
+        caps, facts = info.capabilities, facts_of(info)
+        for name, value in SAMPLES.items():
+            honoured = name in caps.fields or value in caps.values.get(name, ())
+            config = msgspec.convert({name: value}, SessionConfig)
+            try:
+                resolve_config(config, facts)
+            except ProtocolError as exc:
+                assert not honoured, (engine, name, exc.message)
+                assert (exc.code, exc.param) == ("invalid_config", name), (engine, name, exc.message)
+                assert f"not supported by engine {info.name}" in exc.message, (engine, name, exc.message)
+            else:
+                assert honoured, f"{engine} accepts {name} it does not honour"
+                m = SessionMachine(facts, "s")
+                m.receive(msgspec.structs.replace(config, split_granularity="sentence"), 0.0)
+                actions = m.receive(InputText(text="Hi."), 0.0) + m.receive(InputDone(), 0.0)
+                [unit] = [a.unit for a in actions if isinstance(a, Synthesize)]
+                request = synthesis_request("r", unit.text, unit.config, unit.params, render_plan(unit.config, info))
+                assert getattr(request, name) == value, (engine, name)
+            body = msgspec.convert({"input": "Hi.", name: value}, SpeechRequest)
+            if honoured:
+                assert getattr(plan_speech(body, facts, max_input_chars=100).params, name) == value
+            else:
+                with pytest.raises(OpenAIError) as refused:
+                    plan_speech(body, facts, max_input_chars=100)
+                assert (refused.value.status, refused.value.param) == (400, name), (engine, name)
+
+
+def test_token_level_streaming_is_the_sessions_text_streaming_on_every_engine_and_refused_on_rest(
+        tmp_path: Path) -> None:
+    """vllm-omni's `streaming_mode: "token_level"` is a session field, not an engine's: on the WebSocket
+    every engine gets sentence units (the first one early, at a clause) and streamed audio, and a
+    granularity the config names is kept; REST, whose input is whole, refuses it by name."""
+    for engine, info in engine_infos(tmp_path).items():
+        facts = facts_of(info)
+        config = resolve_config(SessionConfig(streaming_mode="token_level", response_format="pcm"), facts)
+        assert (config.split_granularity, config.stream_audio, config.streaming_mode) == (
+            "sentence", True, "token_level"), engine
+        clause = resolve_config(SessionConfig(streaming_mode="token_level", split_granularity="clause"), facts)
+        assert (clause.split_granularity, clause.stream_audio, clause.response_format) == ("clause", True, "wav")
+        m = SessionMachine(facts, "s")
+        m.receive(SessionConfig(streaming_mode="token_level", response_format="pcm"), 0.0)
+        units = [a.unit.text for delta in ("Hello there, this is a token level ", "test. The rest ", "follows.")
+                 for a in m.receive(InputText(text=delta), 0.0) if isinstance(a, Synthesize)]
+        assert units == ["Hello there, this is a token level test."], engine  # before input.done
+        body = msgspec.convert({"input": "Hi.", "streaming_mode": "token_level"}, SpeechRequest)
+        with pytest.raises(OpenAIError) as refused:
+            plan_speech(body, facts, max_input_chars=100)
+        assert (refused.value.status, refused.value.param) == (400, "streaming_mode"), engine
+        assert "WebSocket" in refused.value.message
+    with pytest.raises(ProtocolError) as unknown:
+        decode_client_message(b'{"type": "session.config", "streaming_mode": "word_level"}')
+    assert (unknown.value.code, unknown.value.param) == ("invalid_config", "streaming_mode")
+    assert "valid values: token_level" in unknown.value.message
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"input": "Hi.", "streaming_mode": "word_level"}, SpeechRequest)
+
+
+# -- Voice sources: speaker_embedding is a whole voice, never combined with another ------------------
+
+def test_speaker_embedding_clashes_with_ref_audio_and_with_an_uploaded_voice() -> None:
+    embedding = SpeechParams(speaker_embedding=[0.1, 0.2])
+    assert conflicting_voice_source(embedding, None) is None
+    assert conflicting_voice_source(SpeechParams(ref_audio=SAMPLES["ref_audio"]), "mine") is None
+    assert conflicting_voice_source(SpeechParams(speaker_embedding=[], ref_audio=SAMPLES["ref_audio"]), "m") is None
+    both = SpeechParams(speaker_embedding=[0.1, 0.2], ref_audio=SAMPLES["ref_audio"])
+    param, why = conflicting_voice_source(both, None) or ("", "")
+    assert param == "speaker_embedding" and "ref_audio" in why
+    param, why = conflicting_voice_source(embedding, "mine") or ("", "")
+    assert param == "speaker_embedding" and "'mine'" in why and "uploaded voice" in why
+
+
+@pytest.mark.parametrize("clash", [{"ref_audio": SAMPLES["ref_audio"]}, {"voice": "mine"}],
+                         ids=["ref_audio", "uploaded voice"])
+def test_a_cloning_engine_refuses_speaker_embedding_with_another_voice_source_on_both_surfaces(
+        tmp_path: Path, clash: dict[str, Any]) -> None:
+    """The omni Base checkpoint honours each field alone; the pair is refused by name, never resolved by a
+    silent precedence: a non-fatal `invalid_config` on the WebSocket (the session keeps its config), a 400
+    naming the field on REST."""
+    info = engine_infos(tmp_path)["omni base"]
+    facts = dataclasses.replace(facts_of(info), voice_exists=lambda name: name == "mine")
+    for alone in ({"speaker_embedding": [0.1, 0.2]}, clash):
+        resolve_config(msgspec.convert(alone, SessionConfig), facts)
+        plan_speech(msgspec.convert({"input": "Hi.", **alone}, SpeechRequest), facts, max_input_chars=100)
+    body = {"speaker_embedding": [0.1, 0.2], **clash}
+    named = "ref_audio" if "ref_audio" in clash else "'mine'"
+
+    m = SessionMachine(facts, "s")
+    m.receive(SessionConfig(x_vector_only_mode=True), 0.0)
+    before = m.config
+    [sent] = m.receive(msgspec.convert(body, SessionConfig), 1.0)
+    assert isinstance(sent, Send) and isinstance(sent.event, ErrorEvent)
+    error = sent.event
+    assert (error.code, error.param, error.fatal) == ("invalid_config", "speaker_embedding", False)
+    assert "speaker_embedding" in error.message and named in error.message
+    assert m.config is before and m.state is State.READY
+
+    with pytest.raises(OpenAIError) as refused:
+        plan_speech(msgspec.convert({"input": "Hi.", **body}, SpeechRequest), facts, max_input_chars=100)
+    assert (refused.value.status, refused.value.param) == (400, "speaker_embedding")
+    assert "speaker_embedding" in refused.value.message and named in refused.value.message

@@ -40,7 +40,8 @@ BAD_SPEECH: list[tuple[str, dict[str, Any], int, str | None, str]] = [
     *((f"{name} on hibari", {**OK, name: value}, 400, name, "invalid_value") for name, value in (
         ("non_streaming_mode", False), ("ref_audio_2", "data:audio/wav;base64,AAAA"),
         ("ambient_sound", "rain on a tin roof"), ("duration_seconds", 2.0),
-        ("references", [{"audio_path": "data:audio/wav;base64,AAAA", "text": "Hi."}]))),
+        ("references", [{"audio_path": "data:audio/wav;base64,AAAA", "text": "Hi."}]),
+        ("streaming_mode", "token_level"))),
     ("negative seed", {**OK, "seed": -1}, 400, "seed", "invalid_value"),
     ("streamed word timestamps", {**OK, "word_timestamps": True, "stream_format": "audio"}, 400,
      "word_timestamps", "invalid_value"),
@@ -71,6 +72,20 @@ BAD_HTTP: list[tuple[str, str, str, dict[str, Any], int, str | None, str]] = [
     ("json array", "POST", SPEECH, {"json": [1, 2]}, 400, None, "invalid_value"),
     ("body over the size cap", "POST", SPEECH, {"content": b" " * (4 * 1024 * 1024 + 1)}, 413, None,
      "payload_too_large"),
+    # Numbers no field can hold, and nesting past the parser's depth (issue 14 #6, #17).
+    ("speed of 1e400", "POST", SPEECH, {"content": b'{"input": "Hi.", "speed": 1e400}'}, 400, "speed",
+     "invalid_value"),
+    ("sample rate of -1e400", "POST", SPEECH, {"content": b'{"input": "Hi.", "sample_rate": -1e400}'}, 400,
+     "sample_rate", "invalid_value"),
+    ("seed of 10**400", "POST", SPEECH, {"content": b'{"input": "Hi.", "seed": 1' + b"0" * 400 + b"}"}, 400,
+     "seed", "invalid_value"),
+    ("json nested 100k deep", "POST", SPEECH,
+     {"content": b'{"input": "Hi.", "extra_params": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"}, 400, None,
+     "invalid_json"),
+    ("batch json nested 100k deep", "POST", "/v1/audio/speech/batch",
+     {"content": b'{"items": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"}, 400, None, "invalid_json"),
+    ("batch with a default speed of 1e400", "POST", "/v1/audio/speech/batch",
+     {"content": b'{"speed": 1e400, "items": [{"input": "Hi."}]}'}, 400, "speed", "invalid_value"),
     ("unknown route", "GET", "/v1/audio/transcriptions/nope", {}, 404, None, "not_found"),
     ("unknown route, POST", "POST", "/v1/chat/completions", {"json": {}}, 404, None, "not_found"),
     ("wrong method", "GET", SPEECH, {}, 405, None, "method_not_allowed"),
@@ -141,3 +156,39 @@ def test_a_server_that_is_not_ready_answers_503(full_server: ServerThread) -> No
         response = httpx.request(method, full_server.http_url + path, json=OK)
         assert response.status_code == 503
         assert error_of(response)["code"] == "not_ready"
+
+
+@pytest.mark.parametrize(("field", "value", "valid"), [
+    ("response_format", "ogg", "aac, flac, mp3, opus, pcm, wav"),
+    ("stream_format", "chunks", "audio, sse"),
+])
+def test_an_unknown_choice_lists_the_valid_values(server: ServerThread, field: str, value: str, valid: str) -> None:
+    error = error_of(httpx.post(server.http_url + SPEECH, json={**OK, field: value}))
+    assert error["param"] == field and error["message"].endswith(f"; valid values: {valid}")
+
+
+HUGE = "v" * (4 * 1024 * 1024 - 1024)
+"""Just under the 4 MiB body cap."""
+
+
+@pytest.mark.parametrize(("field", "status", "keeps"), [
+    ("voice", 400, "valid voices: "),
+    ("model", 404, "this server serves "),
+    ("language", 400, "supported: "),
+    ("response_format", 400, "at `$.response_format`"),
+])
+def test_an_error_quotes_only_a_clip_of_a_huge_value(server: ServerThread, field: str, status: int,
+                                                     keeps: str) -> None:
+    """Issue 14 #17: a 4 MiB voice name came back whole in the error."""
+    from voicewire.protocol.messages import ERROR_MESSAGE_CHARS
+
+    response = httpx.post(server.http_url + SPEECH, json={**OK, field: HUGE}, timeout=60)
+    assert response.status_code == status
+    error = error_of(response)
+    assert error["param"] == field and keeps in error["message"]
+    assert len(error["message"]) <= ERROR_MESSAGE_CHARS + 40
+
+
+def test_an_unknown_model_in_the_path_is_quoted_clipped(server: ServerThread) -> None:
+    response = httpx.get(server.http_url + "/v1/models/" + "m" * 6000)
+    assert response.status_code == 404 and len(error_of(response)["message"]) < 200

@@ -4,6 +4,7 @@ synthesis unit is counted exactly once, by how it ended."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import httpx
@@ -103,3 +104,23 @@ def test_every_unit_is_counted_once_when_a_rest_client_hangs_up(server: ServerTh
     assert _units_total(after) - _units_total(before) == 30
     assert value(after, "voicewire_units_total", outcome="cancelled") > value(
         before, "voicewire_units_total", outcome="cancelled")
+
+
+def test_startup_heap_is_frozen_and_every_collection_is_timed() -> None:
+    """Once the engine is ready the startup heap is out of the collector's reach (`gc.freeze`), and each
+    collection while the server runs lands in `voicewire_gc_pause_seconds`; stopping the server stops
+    the timing (its callback is removed)."""
+    gc.unfreeze()
+    callbacks = len(gc.callbacks)
+    server = ServerThread()
+    try:
+        assert gc.get_freeze_count() > 0
+        before = scrape(server)
+        gc.collect()
+        after = scrape(server)
+        count = "voicewire_gc_pause_seconds_count"
+        assert value(after, count, generation="2") >= value(before, count, generation="2") + 1
+        assert value(after, "voicewire_gc_pause_seconds_sum", generation="2") > 0
+    finally:
+        server.stop()
+    assert len(gc.callbacks) == callbacks

@@ -108,7 +108,9 @@ def test_sse_sends_audio_deltas_then_done_with_usage(client: openai.OpenAI, refe
     assert seconds == pytest.approx(reference_seconds, abs=0.001)
     usage = events[-1]["usage"]
     assert usage == {"input_tokens": len(TEXT), "output_tokens": math.ceil(seconds * 40),
-                     "total_tokens": len(TEXT) + math.ceil(seconds * 40)}
+                     "total_tokens": len(TEXT) + math.ceil(seconds * 40),
+                     "input_token_details": {"text_tokens": len(TEXT), "audio_tokens": 0}}
+    assert {e["response_format"] for e in events[:-1]} == {"pcm"}  # vllm-omni's delta field
 
 
 def test_sse_of_mp3_carries_a_decodable_mp3(client: openai.OpenAI, reference_seconds: float) -> None:

@@ -157,7 +157,9 @@ GOLDEN: list[tuple[str, dict[str, Any], str, list[str]]] = [
     ("clause", {}, "Dr. Lee, the surgeon, is here.", ["Dr. Lee,", "the surgeon,", "is here."]),
     # None mode: one unit at flush, never split.
     ("none", {}, "Hello world. How are you? Fine, thanks.", ["Hello world. How are you? Fine, thanks."]),
-    ("none", {"max_unit_chars": 5}, "one two three four", ["one two three four"]),
+    # none mode keeps the unit cap too (issue 14 #4): past it, sentences are packed, long ones cut at words.
+    ("none", {"max_unit_chars": 5}, "one two three four", ["one", "two", "three", "four"]),
+    ("none", {"max_unit_chars": 20}, "One. Two. Three four five six.", ["One. Two.", "Three four five six."]),
     ("none", {}, "", []),
     # Force split at the length cap.
     (
@@ -420,3 +422,82 @@ def test_segments_cover_the_input_with_the_delay_timer(
         segments += segmenter.push(delta, now)
     segments += segmenter.flush()
     assert_covers(segments, text, timer=True)
+
+
+# --- bounds: unit size and cost (issue 14 #4, #5) ---------------------------------------------------------
+
+hostile_texts = texts | st.lists(
+    st.sampled_from(["Hi.", "ok", " ", " " * 70, "\n" * 30, "!" * 40, ")" * 40, "word " * 12, "x" * 90, ", ",
+                     "。", "Dr.", "1. ", "”"]),
+    max_size=30,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), text=hostile_texts, granularity=st.sampled_from(GRANULARITIES), cap=st.integers(1, 60),
+       delay=st.sampled_from([0, 40]))
+def test_units_fit_the_cap_and_cost_is_linear_whatever_the_text(
+    data: st.DataObject, text: str, granularity: SplitGranularity, cap: int, delay: int
+) -> None:
+    """Every mode keeps a unit within `max_unit_chars` (whitespace around it aside), and the work done is
+    a constant per character plus at most about one unit's worth per push (the contract's cost)."""
+    deltas = data.draw(splits(text))
+    segmenter = Segmenter(granularity, max_unit_chars=cap, max_buffer_delay_ms=delay)
+    segments: list[Segment] = []
+    for i, delta in enumerate(deltas):
+        segments += segmenter.poll(i * 30.0)
+        segments += segmenter.push(delta, i * 30.0)
+    segments += segmenter.flush()
+    assert_covers(segments, text, timer=delay > 0)
+    assert all(len(s.text.strip()) <= cap for s in segments)
+    assert segmenter.chars_examined <= 12 * len(text) + 2 * (cap + 1) * len(deltas)
+
+
+FLOODS: list[tuple[str, SplitGranularity, str, str]] = [
+    ("spaces after a sentence end", "sentence", "Hello.", " "),
+    ("spaces before any text", "sentence", "", " "),
+    ("newlines after a word", "sentence", "Hi", "\n"),
+    ("periods after a word", "sentence", "Hello", "."),
+    ("closing brackets after a sentence end", "sentence", "Hello.", ")"),
+    ("spaces after a clause mark", "clause", "One two,", " "),
+    ("spaces after an over-long unit", "sentence", "word " * 60, " "),
+    ("letters of one endless word", "sentence", "", "x"),
+    ("spaces after a sentence, none mode", "none", "Hello.", " "),
+]
+
+
+@pytest.mark.parametrize(("granularity", "prefix", "delta"), [f[1:] for f in FLOODS], ids=[f[0] for f in FLOODS])
+@pytest.mark.parametrize("delay", [0, 100])
+def test_a_flood_of_tiny_deltas_costs_a_constant_per_character(
+    granularity: SplitGranularity, prefix: str, delta: str, delay: int
+) -> None:
+    """The attack of issue 14 #5 ("Hello." then 30,000 one-space deltas) was quadratic: every push rescanned
+    the pending run. Now a push that cannot change the decision is only checked and held."""
+    for count in (2_000, 30_000):
+        segmenter = Segmenter(granularity, max_buffer_delay_ms=delay)
+        segments = feed(segmenter, [prefix, *[delta] * count, " World."])
+        text = prefix + delta * count + " World."
+        assert_covers(segments, text, timer=delay > 0)
+        assert segmenter.chars_examined <= 8 * len(text)
+
+
+def test_one_message_of_many_sentences_costs_a_constant_per_character() -> None:
+    text = "Ab. " * 30_000
+    segmenter = Segmenter("sentence")
+    assert len(feed(segmenter, [text])) == 30_000
+    assert segmenter.chars_examined <= 8 * len(text)
+
+
+def test_a_mark_run_past_the_cap_is_cut_by_the_cap() -> None:
+    segments = feed(Segmenter(max_unit_chars=20), ["Hello" + "!" * 40 + " Next one."])
+    assert [s.text.strip() for s in segments] == ["Hello" + "!" * 15, "!" * 20, "!" * 5, "Next one."]
+
+
+def test_none_mode_packs_sentences_into_units_that_fit_the_cap() -> None:
+    text = "First sentence here. Second one. " * 20 + "A" + " long tail" * 40
+    segments = feed(Segmenter("none", max_unit_chars=100), [text])
+    assert_covers(segments, text)
+    assert all(len(s.text.strip()) <= 100 for s in segments)
+    pair = "First sentence here. Second one. "
+    assert [s.text for s in segments[:7]] == [pair * 3] * 6 + [pair * 2]
+    assert "".join(s.text for s in segments[7:]) == "A" + " long tail" * 40

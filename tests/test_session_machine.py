@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from voicewire.protocol.engine import EngineCapabilities, EngineInfo
+from voicewire.protocol.engine import EngineCapabilities, EngineInfo, VoiceSample
 from voicewire.protocol.messages import (
     InputCancel,
     InputDone,
@@ -33,7 +34,8 @@ FACTS = ServerFacts(
     limits=Limits(config_timeout_s=10, idle_timeout_s=30, stall_timeout_s=15, max_message_bytes=1024,
                   max_config_bytes=4096, max_utterance_chars=100, max_unit_chars=250, max_units_in_flight=2,
                   max_sessions=4, max_sessions_per_key=4, max_sessions_per_ip=4,
-                  rest_requests_per_minute=600, unit_timeout_s=60),
+                  rest_requests_per_minute=600, unit_timeout_s=60, max_unit_audio_s=120,
+                  max_response_audio_s=300, resume_window_s=30, replay_buffer_bytes=1 << 20),
     model_names=frozenset({"hibari", "tts-1"}),
     voice_aliases={"alloy": "heart"},
     languages=frozenset({"en", "english", "auto"}),
@@ -169,3 +171,20 @@ def test_text_waiting_in_draining_utterances_counts_against_the_cap() -> None:
     assert isinstance(refusal, Send) and refusal.event.code == "utterance_too_large"
     m.utterance_finished(0)
     assert units(m.receive(InputText(text="b" * 50), 0.0) + m.receive(InputDone(), 0.0))
+
+
+def test_units_carry_the_reference_decoded_with_their_config_until_the_next_config() -> None:
+    """The runtime decodes a config's `ref_audio` once; every unit of that config carries the result, and a
+    later config replaces it (one without a reference clears it)."""
+    m = SessionMachine(FACTS, "s")
+    reference = VoiceSample.of(np.zeros(24000, np.float32), 24000)
+    assert m.legal(SessionConfig()) and not m.legal(InputText(text="hi"))
+    m.receive(SessionConfig(split_granularity="sentence"), 0.0, reference=reference)
+    acts = m.receive(InputText(text="One. Two."), 0.0) + m.receive(InputDone(), 1.0)
+    assert [a.unit.reference for a in acts if isinstance(a, Synthesize)] == [reference, reference]
+    m.receive(InputText(text="Open"), 1.5)
+    assert not m.legal(SessionConfig())
+    m.receive(InputCancel(), 1.6)
+    m.receive(SessionConfig(split_granularity="sentence"), 2.0)
+    acts = m.receive(InputText(text="Three."), 2.0) + m.receive(InputDone(), 3.0)
+    assert [a.unit.reference for a in acts if isinstance(a, Synthesize)] == [None]

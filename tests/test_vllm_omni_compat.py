@@ -15,8 +15,9 @@ import wave
 import numpy as np
 import websockets
 
+from tests.rest_audio import decode
 from tests.server import ServerThread
-from tests.wsclient import Received, recv_until, send
+from tests.wsclient import Received, recv_until, send, utter
 
 
 def without_updates(got: Received) -> list[str]:
@@ -47,12 +48,8 @@ async def test_default_config_gives_one_whole_wav_per_utterance(server: ServerTh
 async def test_sentence_split_one_wav_per_sentence_and_next_utterance_index(server: ServerThread) -> None:
     async with websockets.connect(server.ws_url) as ws:
         await send(ws, {"type": "session.config", "split_granularity": "sentence"})
-        await send(ws, {"type": "input.text", "text": "First sentence. Second sentence!"})
-        await send(ws, {"type": "input.done"})
-        first = await recv_until(ws, "session.done")
-        await send(ws, {"type": "input.text", "text": "Third."})
-        await send(ws, {"type": "input.done"})
-        second = await recv_until(ws, "session.done")
+        first = await utter(ws, "First sentence. Second sentence!")
+        second = await utter(ws, "Third.")
     assert without_updates(first) == ["audio.start", "<binary>", "audio.done"] * 2 + ["session.done"]
     assert [e["sentence_text"] for e in first.of("audio.start")] == ["First sentence.", "Second sentence!"]
     assert [e["sentence_index"] for e in first.of("audio.done")] == [0, 1]
@@ -64,9 +61,7 @@ async def test_sentence_split_one_wav_per_sentence_and_next_utterance_index(serv
 async def test_clause_split(server: ServerThread) -> None:
     async with websockets.connect(server.ws_url) as ws:
         await send(ws, {"type": "session.config", "split_granularity": "clause"})
-        await send(ws, {"type": "input.text", "text": "When the rain stops, we will walk to the park."})
-        await send(ws, {"type": "input.done"})
-        got = await recv_until(ws, "session.done")
+        got = await utter(ws, "When the rain stops, we will walk to the park.")
     assert [e["sentence_text"] for e in got.of("audio.start")] == ["When the rain stops,", "we will walk to the park."]
 
 
@@ -135,3 +130,40 @@ async def test_errors_carry_vllm_omni_texts_and_unknown_config_fields_are_ignore
         await ws.send(json.dumps({"type": "input.text", "text": ["x"]}))
         error = (await recv_until(ws, "error")).of("error")[0]
         assert error["message"] == "input.text requires a string value"
+
+
+async def test_aac_is_one_whole_adts_file_per_sentence(server: ServerThread) -> None:
+    """vllm-omni's example client asks for `aac` (REST has it): each sentence comes as one ADTS file that
+    decodes to the unit's duration."""
+    async with websockets.connect(server.ws_url) as ws:
+        await send(ws, {"type": "session.config", "response_format": "aac", "split_granularity": "sentence"})
+        await send(ws, {"type": "input.text", "text": "First sentence here. And the second one!"})
+        await send(ws, {"type": "input.done"})
+        got = await recv_until(ws, "session.done")
+    assert without_updates(got) == ["audio.start", "<binary>", "audio.done"] * 2 + ["session.done"]
+    files = [i for i in got.items if isinstance(i, bytes)]
+    for start, done, data in zip(got.of("audio.start"), got.of("audio.done"), files, strict=True):
+        assert start["format"] == "aac" and start["sample_rate"] == 24000
+        assert data[0] == 0xFF and data[1] & 0xF6 == 0xF0, "ADTS frame sync, MPEG-4, layer 0"
+        assert done["total_bytes"] == len(data) and done["error"] is False
+        samples, rate = decode(data, "aac")
+        assert rate == 24000
+        # AAC adds encoder priming and pads the last frame: within three 1024-sample frames.
+        assert abs(len(samples) - done["audio_ms"] * rate / 1000) <= 3 * 1024
+
+
+async def test_streaming_aac_is_refused_naming_the_streamable_formats(server: ServerThread) -> None:
+    async with websockets.connect(server.ws_url) as ws:
+        await send(ws, {"type": "session.config", "response_format": "aac", "stream_audio": True})
+        error = (await recv_until(ws, "error")).of("error")[0]
+    assert error["code"] == "invalid_config" and error["param"] == "response_format"
+    assert error["message"] == ("Invalid session config: response_format: stream_audio=true needs one of alaw, "
+                                "mulaw, pcm, wav; 'aac' can only be sent as one whole file per sentence")
+
+
+async def test_an_unknown_format_error_lists_the_valid_formats(server: ServerThread) -> None:
+    async with websockets.connect(server.ws_url) as ws:
+        await send(ws, {"type": "session.config", "response_format": "aiff"})
+        error = (await recv_until(ws, "error")).of("error")[0]
+    assert error["code"] == "invalid_config" and error["param"] == "response_format"
+    assert error["message"].endswith("; valid values: aac, alaw, flac, mp3, mulaw, opus, pcm, wav")

@@ -99,7 +99,7 @@ def use_then_stop(voice_server: ServerThread, voices_dir: Path) -> None:
         with pytest.raises(openai.BadRequestError) as caught:
             client.audio.speech.create(model="tts-1", voice="narrator_1", input="Hello.")
     assert caught.value.param == "voice"
-    assert "cannot clone" in caught.value.message and "engines that can: none in this build" in caught.value.message
+    assert "cannot clone" in caught.value.message and "engines that can: omni" in caught.value.message
 
     voice_server.stop()
 
@@ -181,3 +181,69 @@ async def test_restore_drops_interrupted_uploads_and_unreadable_files(voices_dir
     assert not (voices_dir / ".crashed.x1y2.tmp").exists()
     audio, rate = restored.load_audio("kept")
     assert rate == 16000 and len(audio) == 24000
+
+
+async def test_created_at_strictly_increases_even_within_a_second(voices_dir: Path) -> None:
+    store = VoiceStore(voices_dir, max_voices=5, max_upload_bytes=UPLOAD_CAP)
+    stamps = []
+    for name in ("one", "two", "one"):  # the third replaces the first
+        record = await store.add(name=name, sample=wav_bytes(1.2), consent="yes", ref_text=None,
+                                 speaker_description=None, reserved=())
+        stamps.append(record.created_at)
+    assert stamps[0] < stamps[1] < stamps[2]
+    stored = store.get("one")
+    assert stored is not None and stored.created_at == stamps[2]
+
+
+def speak_with(server: ServerThread, voice: str) -> httpx.Response:
+    return httpx.post(server.http_url + "/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "voice": voice},
+                      timeout=60)
+
+
+def test_servers_sharing_a_directory_see_each_others_uploads_replacements_and_deletes(voices_dir: Path) -> None:
+    first, second = ServerThread(settings_for(voices_dir)), ServerThread(settings_for(voices_dir))
+    try:
+        assert upload(first, "shared_1", wav_bytes(1.5), ref_text="First take.").status_code == 200
+        # Known at once on the other server: listed, and resolved as an uploaded voice (this build's engines
+        # cannot clone, so speaking with it is refused for that reason, not as an unknown voice).
+        listed = httpx.get(second.http_url + VOICES).json()["uploaded_voices"]
+        assert [(v["name"], v["ref_text"]) for v in listed] == [("shared_1", "First take.")]
+        refused = speak_with(second, "shared_1")
+        assert refused.status_code == 400 and "is an uploaded voice" in refused.json()["error"]["message"]
+
+        assert upload(second, "shared_1", wav_bytes(2.0), ref_text="Second take.").status_code == 200
+        listed = httpx.get(first.http_url + VOICES).json()["uploaded_voices"]
+        assert [(v["name"], v["ref_text"], v["duration_s"]) for v in listed] == [("shared_1", "Second take.", 2.0)]
+
+        for index in range(2):
+            assert upload(first, f"more_{index}", wav_bytes(1.2)).status_code == 200
+        full = upload(second, "one_too_many", wav_bytes(1.2))  # the cap counts the directory, not one server
+        assert full.status_code == 400 and full.json()["error"]["code"] == "too_many_voices"
+
+        assert httpx.delete(second.http_url + VOICES + "/shared_1").status_code == 200
+        assert [v["name"] for v in httpx.get(first.http_url + VOICES).json()["uploaded_voices"]] == [
+            "more_0", "more_1"]
+        gone = speak_with(first, "shared_1")
+        assert gone.status_code in (400, 404) and gone.json()["error"]["code"] == "voice_not_found"
+        assert httpx.delete(first.http_url + VOICES + "/shared_1").status_code == 404
+        assert on_disk(voices_dir) == ["more_0.safetensors", "more_1.safetensors"]
+    finally:
+        first.stop()
+        second.stop()
+
+
+async def test_names_match_case_insensitively_as_vllm_omni_does(voices_dir: Path) -> None:
+    store = VoiceStore(voices_dir, max_voices=1, max_upload_bytes=UPLOAD_CAP)
+    await store.add(name="Narrator", sample=wav_bytes(1.5), consent="yes", ref_text="First.",
+                    speaker_description=None, reserved=())
+    found = store.get("NARRATOR")
+    assert found is not None and found.name == "Narrator" and "narrator" in store
+    assert len(store.load_audio("nArRaToR")[0]) == 24000
+    # An upload in another case replaces the voice (the cap of one is not hit) and takes the new spelling.
+    await store.add(name="narrator", sample=wav_bytes(2.0), consent="yes", ref_text="Second.",
+                    speaker_description=None, reserved=())
+    assert on_disk(voices_dir) == ["narrator.safetensors"]
+    replaced = store.get("Narrator")
+    assert replaced is not None and (replaced.name, replaced.ref_text) == ("narrator", "Second.")
+    await store.remove("NARRATOR")
+    assert on_disk(voices_dir) == [] and store.get("narrator") is None

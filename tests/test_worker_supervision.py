@@ -260,3 +260,44 @@ async def test_a_cancel_the_worker_can_honour_keeps_the_worker() -> None:
         assert ok(await speak(srv, "Still the same worker."))
     finally:
         srv.stop()
+
+
+
+async def test_health_reads_on_every_loop_turn_survive_workers_dying_and_being_reaped(tmp_path: Path) -> None:
+    """`/ready` and every metrics scrape read the pool's health, at any moment of the event loop, including
+    the turn between a dead worker's process object being closed and its slot letting go of it. A reader
+    that runs on every turn of the server's loop while workers die, fail to start and are reaped never
+    sees an error."""
+    gate = tmp_path / "refuse-start"
+    build = functools.partial(fault_injecting_hibari, str(gate))
+    srv = ServerThread(Settings(engine_workers=2), engine=ProcessEngine("hibari", workers=2, build=build,
+                                                                        timings=QUICK))
+    engine = srv.ctx.engine
+    assert isinstance(engine, ProcessEngine)
+    errors: list[BaseException] = []
+    reads = 0
+    running = True
+
+    def read_every_turn() -> None:
+        nonlocal reads
+        try:
+            engine.health  # noqa: B018 (the read is the test)
+            reads += 1
+        except Exception as exc:  # recorded, asserted below
+            errors.append(exc)
+        if running:
+            srv.loop.call_soon(read_every_turn)
+
+    srv.loop.call_soon_threadsafe(read_every_turn)
+    try:
+        gate.touch()
+        for pid in children():
+            os.kill(pid, signal.SIGKILL)
+        await until(lambda: min(s.failures for s in health(srv).slots) >= 3)
+        gate.unlink()
+        await until(lambda: health(srv).live == 2)
+    finally:
+        running = False
+        gate.unlink(missing_ok=True)
+        srv.stop()
+    assert reads > 100 and errors == [], errors[:3]

@@ -48,10 +48,34 @@ NON_FATAL: list[tuple[str, Any, str, str]] = [
      "extra_params: not supported by engine hibari"),
     ("ambient_sound on hibari", {"type": "session.config", "ambient_sound": "rain"}, "invalid_config",
      "ambient_sound: not supported by engine hibari"),
+    # vllm-omni's streaming_mode: token_level is our text streaming (test_vllm_omni_compat); anything else
+    # is refused naming the field and the values there are, never ignored.
+    ("unknown streaming mode", {"type": "session.config", "streaming_mode": "sentence_level"}, "invalid_config",
+     "at `$.streaming_mode`; valid values: token_level"),
+    ("token-level streaming of a compressed format", {"type": "session.config", "streaming_mode": "token_level",
+                                                      "response_format": "mp3"}, "invalid_config",
+     "streaming_mode: token_level streams audio as it is synthesized, which needs response_format one of"),
     ("unknown model", {"type": "session.config", "model": "gpt-9"}, "invalid_config", "unknown model"),
     ("deeply nested json", '{"type": "input.text", "text": "x", "deep": ' + "[" * 50_000 + "]" * 50_000 + "}",
      "invalid_message", "JSON nested too deeply"),
     ("deeply nested array", "[" * 20_000 + "]" * 20_000, "invalid_message", "JSON nested too deeply"),
+    # Numbers too large for a float or any fixed-size int (issue 14 #6): these ended the session with 1011.
+    ("speed of 1e400", '{"type": "session.config", "speed": 1e400}', "invalid_config",
+     "Number out of range - at `$.speed`"),
+    ("sample rate of -1e400", '{"type": "session.config", "sample_rate": -1e400}', "invalid_config",
+     "Number out of range - at `$.sample_rate`"),
+    ("delay of 1e400", '{"type": "session.config", "max_buffer_delay_ms": 1e400}', "invalid_config",
+     "at `$.max_buffer_delay_ms`"),
+    ("speaker embedding of 1e400", '{"type": "session.config", "speaker_embedding": [0.5, 1e400]}',
+     "invalid_config", "at `$.speaker_embedding[1]`"),
+    ("seed of 10**400", '{"type": "session.config", "seed": 1' + "0" * 400 + "}", "invalid_config",
+     "at `$.seed`"),
+    ("max_new_tokens of 10**400", '{"type": "session.config", "max_new_tokens": 1' + "0" * 400 + "}",
+     "invalid_config", "not a codec-token engine"),
+    ("text of 1e400", '{"type": "input.text", "text": 1e400}', "invalid_text", "input.text requires a string"),
+    ("context id of 1e400", '{"type": "input.text", "text": "x", "context_id": 1e400}', "invalid_message",
+     "at `$.context_id`"),
+    ("type of 1e400", '{"type": 1e400}', "unknown_type", "Unknown message type: inf"),
     ("oversized input.text", {"type": "input.text", "text": "a" * (130 * 1024)}, "message_too_large",
      "input.text message too large"),
     ("oversized input.cancel", {"type": "input.cancel", "context_id": "c" * (130 * 1024)}, "message_too_large",
@@ -67,6 +91,8 @@ async def test_bad_input_after_config_is_a_non_fatal_error(server: ServerThread,
         await ws.send(frame if isinstance(frame, str) else json.dumps(frame))
         error = (await recv_until(ws, "error")).of("error")[0]
         assert error["code"] == code and message in error["message"] and error["fatal"] is False
+        if code == "invalid_config" and "$." in message:
+            assert error["param"] == message.partition("$.")[2].partition("`")[0].partition("[")[0]
         if code == "invalid_config":
             # The old config is kept: still pcm streaming.
             await send(ws, {"type": "input.text", "text": "Kept."})
@@ -183,3 +209,38 @@ async def test_session_close_closes_with_1000(server: ServerThread) -> None:
             while True:
                 await ws.recv()
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 1000
+
+
+HUGE = "v" * (4 * 1024 * 1024 - 1024)
+"""Just under the transport's 4 MiB frame cap for a session.config."""
+
+
+@pytest.mark.parametrize(("frame", "code", "keeps"), [
+    ({"type": "session.config", "voice": HUGE}, "invalid_config", "valid voices: "),
+    ({"type": "session.config", "model": HUGE}, "invalid_config", "this server serves "),
+    ({"type": "session.config", "language": HUGE}, "invalid_config", "supported: "),
+    ({"type": "session.config", "response_format": HUGE}, "invalid_config", "at `$.response_format`"),
+    ({"type": HUGE[:100_000]}, "unknown_type", "Unknown message type: vvv"),
+], ids=["voice", "model", "language", "format", "type"])
+async def test_an_error_quotes_only_a_clip_of_a_huge_value(server: ServerThread, frame: dict[str, Any], code: str,
+                                                           keeps: str) -> None:
+    """Issue 14 #17: a 4 MiB voice name came back whole in the error."""
+    from voicewire.protocol.messages import ERROR_MESSAGE_CHARS
+
+    async with websockets.connect(server.ws_url) as ws:
+        await configure(ws, **SPEAK)
+        await send(ws, frame)
+        error = (await recv_until(ws, "error")).of("error")[0]
+        assert error["code"] == code and not error["fatal"] and keeps in error["message"]
+        assert len(error["message"]) <= ERROR_MESSAGE_CHARS + 40
+        await still_speaks(ws)
+
+
+async def test_a_context_mismatch_quotes_only_a_clip_of_the_context_id(server: ServerThread) -> None:
+    async with websockets.connect(server.ws_url) as ws:
+        await configure(ws, **SPEAK)
+        await send(ws, {"type": "input.text", "text": "Hello", "context_id": "a"})
+        await send(ws, {"type": "input.text", "text": "x", "context_id": "c" * 100_000})
+        error = (await recv_until(ws, "error")).of("error")[0]
+        assert error["code"] == "context_mismatch" and len(error["message"]) < 400
+        assert "'a' is open" in error["message"]

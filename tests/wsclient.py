@@ -59,6 +59,13 @@ async def configure(ws: ClientConnection, **config: Any) -> Event:
     return got.events[-1]
 
 
+async def utter(ws: ClientConnection, text: str, timeout: float = 120.0) -> Received:
+    """Send `text` as one whole utterance (`input.text`, then `input.done`) and receive up to its `session.done`."""
+    await send(ws, {"type": "input.text", "text": text})
+    await send(ws, {"type": "input.done"})
+    return await recv_until(ws, "session.done", timeout=timeout)
+
+
 async def stream_tokens(ws: ClientConnection, text: str, sizes: tuple[int, ...] = (1, 3, 2, 4)) -> None:
     """Send `text` as an LLM would: deltas of 1-4 characters."""
     i = k = 0

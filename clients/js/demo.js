@@ -19,6 +19,9 @@ const demo = {
   utterances: [],
   player: null,
   speaking: false,
+  reconnecting: 0, // times the connection dropped and the page started resuming it
+  resumes: 0, // times it resumed
+  client,
   speak,
   stop,
 };
@@ -114,15 +117,25 @@ async function ensurePlayer() {
       setStatus("done");
     }
   });
+  speaker.on("utterance.cancelled", (e) => {
+    const rec = demo.utterances.findLast((u) => u.index === e.utteranceIndex && u.cancelled);
+    if (!rec) return;
+    rec.heardSamples = e.played;
+    if (rec === current() && e.sampleRate) showPlayed(e.played / e.sampleRate);
+  });
   player.on("position", (p) => {
     $("underruns").textContent = String(p.underruns);
     const rec = current();
-    if (rec && rec.startIndex !== null && rec.sampleRate) {
-      const seconds = Math.max(0, p.played + p.dropped - rec.startIndex) / rec.sampleRate;
-      $("played").textContent = `${seconds.toFixed(2)} s`;
+    // A stopped utterance shows what was heard ("utterance.cancelled"), not the samples Stop dropped.
+    if (rec && !rec.cancelled && rec.startIndex !== null && rec.sampleRate) {
+      showPlayed(Math.max(0, p.played + p.dropped - rec.startIndex) / rec.sampleRate);
     }
   });
   return undefined;
+}
+
+function showPlayed(seconds) {
+  $("played").textContent = `${seconds.toFixed(2)} s`;
 }
 
 function byIndex(index) {
@@ -166,6 +179,15 @@ client.on("audio.cancelled", (e) => {
 });
 client.on("error", (e) => {
   if (!e.fatal) showMessage(`Server error: ${e.message}`);
+});
+client.on("reconnecting", ({ attempt }) => {
+  demo.reconnecting += 1;
+  setConnection(attempt > 1 ? `reconnecting… (try ${attempt})` : "reconnecting…", "warn");
+});
+client.on("resumed", () => {
+  demo.resumes += 1;
+  const updated = client.updated;
+  setConnection(`connected · ${updated.engine.name} · ${updated.engine.sample_rate / 1000} kHz`, "ok");
 });
 client.on("close", (detail) => {
   abortTyping();
@@ -237,6 +259,7 @@ async function speak(text = $("text").value) {
     words: [],
     highlighted: [],
     startIndex: null,
+    heardSamples: null,
     playedAtStart: player.played,
     droppedAtStart: player.dropped,
     receivedAtStart: player.received,

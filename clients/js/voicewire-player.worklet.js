@@ -6,7 +6,8 @@
 //   in  {type: "flush"}                              no more audio for now: play out what is queued
 //                                                    even below the jitter threshold, no underrun at the end
 //   in  {type: "cancel", id}                         drop every queued sample at once; answered by
-//                                                    {type: "cancelled", id, ...counters}
+//                                                    {type: "cancelled", id, at, ...counters}, `at` the
+//                                                    stream index where playback stopped
 //   in  {type: "jitter", ms}                         change the jitter buffer
 //   out {type: "position", played, dropped, received, underruns, buffered, playing}
 //        every few render quanta while playing, and on each start / stop.
@@ -46,15 +47,17 @@ class VoicewirePlayerProcessor extends AudioWorkletProcessor {
       case "flush":
         this.flushed = true;
         break;
-      case "cancel":
-        this.dropped += this.received - this.played - this.dropped;
+      case "cancel": {
+        const at = this.played + this.dropped;
+        this.dropped += this.received - at;
         this.before = this.played;
         this.chunks = [];
         this.pos = 0;
         this.playing = false;
         this.flushed = false;
-        this.port.postMessage({ type: "cancelled", id: msg.id, ...this.counters() });
+        this.port.postMessage({ type: "cancelled", id: msg.id, at, ...this.counters() });
         break;
+      }
       case "jitter":
         this.jitterMs = msg.ms;
         break;

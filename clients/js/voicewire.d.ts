@@ -54,6 +54,8 @@ export interface SessionUpdatedEvent {
   config: Required<Pick<SessionConfig, "model" | "voice" | "speed" | "response_format" | "sample_rate">> & SessionConfig;
   limits: Record<string, number>;
   engine: EngineDescription;
+  /** Resumes this session on a new connection (the client does it by itself). */
+  resume_token: string;
 }
 
 export interface AudioStartEvent {
@@ -162,6 +164,10 @@ export interface ClientEventMap {
   "*": ServerEvent;
   audio: AudioPiece;
   close: CloseDetail;
+  /** The socket dropped without a close frame; the client is reconnecting to resume the session. */
+  reconnecting: { attempt: number; delayMs: number };
+  /** Resumed on a new socket: the server replays the frames that were lost, then the stream goes on. */
+  resumed: { replayFrames: number; replayBytes: number };
 }
 
 declare class Emitter<M> {
@@ -182,9 +188,15 @@ export declare class VoicewireError extends Error {
 export declare function defaultUrl(): string;
 
 export declare class VoicewireClient extends Emitter<ClientEventMap> {
-  constructor(options?: { url?: string; token?: string });
+  /** `resume` (default true): reconnect and resume by itself after a network blip. */
+  constructor(options?: { url?: string; token?: string; resume?: boolean });
   readonly url: string;
   readonly token: string | null;
+  readonly resume: boolean;
+  /** Times the session resumed on a new socket. */
+  readonly reconnects: number;
+  /** A dropped socket is being resumed; messages sent meanwhile go out on the resumed socket. */
+  readonly reconnecting: boolean;
   /** `url` with `?token=` when a token is set. */
   readonly socketUrl: string;
   readonly connected: boolean;
@@ -224,6 +236,11 @@ export interface PlayerCounters {
   playing: boolean;
 }
 
+export interface CancelledCounters extends PlayerCounters {
+  /** Stream index where playback stopped: samples from here on were dropped, never heard. */
+  at: number;
+}
+
 export interface PlayerEventMap {
   position: PlayerCounters;
   cancelled: PlayerCounters;
@@ -248,8 +265,8 @@ export declare class PcmPlayer extends Emitter<PlayerEventMap> {
   push(samples: Int16Array | Float32Array, sampleRate: number): number;
   /** Play what is queued even below the jitter buffer; no underrun when it runs out. */
   flush(): void;
-  /** Drop all queued audio at once; resolves when the worklet has. */
-  cancel(): Promise<PlayerCounters>;
+  /** Drop all queued audio at once; resolves when the worklet has, with where playback stopped. */
+  cancel(): Promise<CancelledCounters>;
   setJitter(ms: number): void;
   close(): Promise<void>;
 }
@@ -274,7 +291,8 @@ export interface SpeakerEventMap {
   word: WordEvent;
   "utterance.start": UtteranceEvent;
   "utterance.end": UtteranceEvent;
-  "utterance.cancelled": { utteranceIndex: number };
+  /** After cancel(): `played` counts the utterance's samples that were heard, not the dropped rest. */
+  "utterance.cancelled": { utteranceIndex: number; played: number; sampleRate: number };
 }
 
 /** Client audio into the player; "word" when the played position reaches each word. */
@@ -284,7 +302,7 @@ export declare class Speaker extends Emitter<SpeakerEventMap> {
   readonly player: PcmPlayer;
   /** Output latency subtracted from the played position before words are due. */
   readonly latencyMs: number;
-  /** Barge-in: silence the player and cancel the server's utterances. */
-  cancel(): Promise<PlayerCounters>;
+  /** Barge-in: silence the player and cancel the server's utterances; resolves once it is silent. */
+  cancel(): Promise<CancelledCounters>;
   detach(): void;
 }

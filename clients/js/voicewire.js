@@ -58,6 +58,14 @@ class Emitter {
   }
 }
 
+/** Binary audio received between two `session.ack`s at most (acks also follow every JSON event). */
+export const ACK_EVERY_BYTES = 64 * 1024;
+const RECONNECT_FIRST_DELAY_MS = 50;
+const RECONNECT_MAX_DELAY_MS = 2000;
+/** How long `close()` goes on resuming a dropped socket to deliver `session.close` (past it the server ends
+ * the session when its resume window passes). */
+const CLOSE_RESUME_MS = 10000;
+
 /** `ws(s)://` URL of the speech stream of the server that served this page. */
 export function defaultUrl() {
   const scheme = location.protocol === "https:" ? "wss:" : "ws:";
@@ -74,13 +82,29 @@ export function defaultUrl() {
  *
  * After `cancel()`, no "audio" event of the cancelled utterances is emitted, even for frames the server
  * sent before it saw the cancel.
+ *
+ * Resume (on unless `resume: false`): the client acknowledges what it receives (`session.ack`) and keeps
+ * what it sent until the server says it applied it. When the socket drops without a close frame (close code
+ * 1006: a network blip), it emits "reconnecting" {attempt, delayMs}, reconnects with backoff for up to the
+ * server's `resume_window_s`, sends `session.resume`, resends what the server had not applied, and emits
+ * "resumed" {replayFrames, replayBytes}; the server replays exactly the frames that were lost, so every
+ * "audio" event is emitted once, in order. "close" comes only when the session is over (or the resume
+ * failed: the server's refusal comes first as an "error").
+ *
+ * `close()` ends the session on the server also when the socket has dropped (a resume under way, or a drop
+ * not noticed yet): the client resumes only to deliver `session.close` (for up to CLOSE_RESUME_MS; no
+ * "resumed", "error" or server event is emitted for it), then "close" follows.
  */
 export class VoicewireClient extends Emitter {
-  /** @param {{url?: string, token?: string}} [options] */
-  constructor({ url, token } = {}) {
+  /** @param {{url?: string, token?: string, resume?: boolean}} [options] */
+  constructor({ url, token, resume = true } = {}) {
     super();
     this.url = url || defaultUrl();
     this.token = token || null;
+    this.resume = resume;
+    this.reconnects = 0;
+    this.reconnecting = false;
+    this._resetStream();
     this.socket = null;
     this.updated = null;
     this._unit = null;
@@ -99,8 +123,21 @@ export class VoicewireClient extends Emitter {
     return u.toString();
   }
 
+  /** Connected, or resuming a connection that dropped (messages sent meanwhile go out on the resume). */
   get connected() {
-    return this.socket !== null && this.socket.readyState === WebSocket.OPEN;
+    return this.reconnecting || (this.socket !== null && this.socket.readyState === WebSocket.OPEN);
+  }
+
+  _resetStream() {
+    this._seq = 0; // server frames received: the number of the last one
+    this._ackedBytes = 0;
+    this._sentCount = 0; // client messages sent, numbered as the server counts them
+    this._unapplied = []; // [number, text] sent but not yet applied by the server
+    this._sessionId = null;
+    this._resumeToken = null;
+    this._windowS = 0;
+    this._userClosed = false;
+    this._closeBy = 0; // when close() stops trying to deliver session.close over a resume (Date.now())
   }
 
   /** The utterance index the next `sendText()` (or `done()`) belongs to. */
@@ -120,6 +157,7 @@ export class VoicewireClient extends Emitter {
     this._unit = null;
     this._fatal = null;
     this._unitOffsetMs.clear();
+    this._resetStream();
     return new Promise((resolve, reject) => {
       let opened = false;
       const socket = new WebSocket(this.socketUrl);
@@ -136,16 +174,130 @@ export class VoicewireClient extends Emitter {
           diagnoseRefusal(this.url, this.token).then(reject);
           return;
         }
-        const detail = {
-          code: event.code,
-          reason: event.reason,
-          error: this._fatal,
-          message: closeMessage(event.code, event.reason, this._fatal),
-        };
-        this._failConfig(new VoicewireError("closed", detail.message, detail));
-        this.emit("close", detail);
+        this._onClose(event);
       };
     });
+  }
+
+  _onClose(event) {
+    if (this._canResume(event.code)) {
+      this._reconnect();
+      return;
+    }
+    const detail = {
+      code: event.code,
+      reason: event.reason,
+      error: this._fatal,
+      message: closeMessage(event.code, event.reason, this._fatal),
+    };
+    this._failConfig(new VoicewireError("closed", detail.message, detail));
+    this.emit("close", detail);
+  }
+
+  /** A drop without a close frame (1006) of a session the server lets us resume (also after `close()`:
+   * the resume then delivers `session.close`). */
+  _canResume(code) {
+    return this.resume && code === 1006 && this._sessionId !== null && this._resumeToken !== null
+      && !this._fatal && this._windowS > 0;
+  }
+
+  /** Reconnect with backoff until the server's resume window passes (or, after `close()`, CLOSE_RESUME_MS);
+   * resume on the first socket that opens. */
+  async _reconnect() {
+    this.reconnecting = true;
+    const giveUp = Date.now() + this._windowS * 1000;
+    const timeLeft = () => Math.min(giveUp, this._userClosed ? this._closeBy : giveUp) - Date.now();
+    let delay = RECONNECT_FIRST_DELAY_MS;
+    for (let attempt = 1; timeLeft() > 0; attempt++) {
+      this.emit("reconnecting", { attempt, delayMs: delay });
+      const outcome = await this._tryResume();
+      if (outcome === "resumed") return;
+      if (outcome === "refused") break;
+      await new Promise((r) => setTimeout(r, Math.max(0, Math.min(delay, timeLeft()))));
+      delay = Math.min(delay * 2, RECONNECT_MAX_DELAY_MS);
+    }
+    this.reconnecting = false;
+    const message = this._userClosed
+      ? "Closed while the connection was down."
+      : this._fatal
+        ? closeMessage(1008, "", this._fatal)
+        : "The connection was lost and could not be resumed.";
+    const detail = { code: 1006, reason: "", error: this._fatal, message };
+    this._failConfig(new VoicewireError("closed", message, detail));
+    this.emit("close", detail);
+  }
+
+  /** One resume attempt: "resumed" (the stream goes on), "refused" (the server said no), or "failed". */
+  _tryResume() {
+    return new Promise((resolve) => {
+      const u = new URL(this.socketUrl);
+      u.searchParams.set("session_id", this._sessionId);
+      let socket;
+      try {
+        socket = new WebSocket(u.toString());
+      } catch {
+        resolve("failed");
+        return;
+      }
+      socket.binaryType = "arraybuffer";
+      let answered = false;
+      socket.onopen = () => {
+        socket.send(JSON.stringify({ type: "session.resume", session_id: this._sessionId, token: this._resumeToken, seq: this._seq }));
+      };
+      socket.onmessage = (event) => {
+        if (answered) {
+          if (!this._userClosed) this._onFrame(event.data); // else it only delivered session.close
+          return;
+        }
+        answered = true;
+        const answer = JSON.parse(event.data);
+        if (answer.type !== "session.resumed") {
+          if (!this._userClosed) { // after close() a refusal means the session is over, as asked
+            this._fatal = answer;
+            this.emit("error", answer);
+            this.emit("*", answer);
+          }
+          resolve("refused");
+          return;
+        }
+        this.socket = socket;
+        this.reconnecting = false;
+        this.reconnects += 1;
+        this._applied(answer.input_seq);
+        for (const [, text] of this._unapplied) socket.send(text);
+        if (!this._userClosed) {
+          this.emit("resumed", { replayFrames: answer.replay_frames, replayBytes: answer.replay_bytes });
+        }
+        resolve("resumed");
+      };
+      socket.onclose = (event) => {
+        if (!answered) {
+          resolve("failed");
+          return;
+        }
+        if (this.socket === socket) {
+          this.socket = null;
+          this._onClose(event);
+        }
+      };
+    });
+  }
+
+  /** The server applied the first `inputSeq` messages: forget them. */
+  _applied(inputSeq) {
+    let drop = 0;
+    while (drop < this._unapplied.length && this._unapplied[drop][0] <= inputSeq) drop++;
+    if (drop) this._unapplied.splice(0, drop);
+  }
+
+  _acknowledge(data) {
+    if (!this.resume || this._sessionId === null || !this.socket) return;
+    if (typeof data !== "string") {
+      this._ackedBytes += data.byteLength;
+      if (this._ackedBytes < ACK_EVERY_BYTES) return;
+    }
+    this._ackedBytes = 0;
+    if (this.socket.readyState === WebSocket.OPEN) this.socket.send(JSON.stringify({ type: "session.ack", seq: this._seq }));
   }
 
   /**
@@ -196,14 +348,22 @@ export class VoicewireClient extends Emitter {
     if (this.connected) this._send({ type: "input.cancel", ...ctx(contextId) });
   }
 
-  /** Send `session.close`; the server closes the socket with 1000. */
+  /** Send `session.close`; the server closes the socket with 1000. While the socket is down the resume
+   * delivers it (see the class doc). */
   close() {
+    if (this._userClosed) return;
     if (this.connected) this._send({ type: "session.close" });
+    this._userClosed = true;
+    this._closeBy = Date.now() + CLOSE_RESUME_MS;
   }
 
+  /** Send a numbered message; while resuming it is only kept, and the resume sends it. */
   _send(message) {
     if (!this.connected) throw new VoicewireError("state", "not connected: call connect() first");
-    this.socket.send(JSON.stringify(message));
+    const text = JSON.stringify(message);
+    this._sentCount += 1;
+    if (this.resume) this._unapplied.push([this._sentCount, text]);
+    if (!this.reconnecting && this.socket && this.socket.readyState === WebSocket.OPEN) this.socket.send(text);
   }
 
   _failConfig(error) {
@@ -213,14 +373,24 @@ export class VoicewireClient extends Emitter {
   }
 
   _onFrame(data) {
+    this._seq += 1;
+    this._handleFrame(data);
+    this._acknowledge(data);
+  }
+
+  _handleFrame(data) {
     if (typeof data !== "string") {
       this._emitAudio(this._unit, data);
       return;
     }
     const event = JSON.parse(data);
+    if (event.input_seq !== undefined) this._applied(event.input_seq);
     switch (event.type) {
       case "session.updated":
         this.updated = event;
+        this._sessionId = event.session_id;
+        this._resumeToken = event.resume_token ?? null;
+        this._windowS = event.limits?.resume_window_s ?? 0;
         if (this._pendingConfig) {
           this._pendingConfig.resolve(event);
           this._pendingConfig = null;
@@ -511,7 +681,10 @@ export class PcmPlayer extends Emitter {
     this.node.port.postMessage({ type: "flush" });
   }
 
-  /** Drop everything queued, at once. Resolves with the counters when the worklet has dropped it. */
+  /**
+   * Drop everything queued, at once. Resolves with the counters when the worklet has dropped it, plus
+   * `at`: the stream index where playback stopped (samples from `at` on were dropped, never heard).
+   */
   cancel() {
     const id = ++this._cancelId;
     this.node.port.postMessage({ type: "cancel", id });
@@ -541,7 +714,7 @@ export class PcmPlayer extends Emitter {
       playing: msg.playing,
     };
     if (msg.type === "cancelled") {
-      this._cancelWaiters.get(msg.id)?.(counters);
+      this._cancelWaiters.get(msg.id)?.({ ...counters, at: msg.at });
       this._cancelWaiters.delete(msg.id);
       this.emit("cancelled", counters);
     }
@@ -559,7 +732,9 @@ export class PcmPlayer extends Emitter {
  *
  * Events: "word" {utteranceIndex, index, word, start_ms, end_ms, char_start, char_end, played},
  * "utterance.start" / "utterance.end" {utteranceIndex, samples, sampleRate} when its first sample is
- * played and when its last one has been (after `session.done`), "utterance.cancelled".
+ * played and when its last one has been (after `session.done`), "utterance.cancelled" {utteranceIndex,
+ * played, sampleRate} after `cancel()`, where `played` counts only the samples of the utterance that were
+ * heard (what a barge-in interrupted the listener at), never the dropped rest.
  */
 export class Speaker extends Emitter {
   constructor(client, player) {
@@ -576,13 +751,20 @@ export class Speaker extends Emitter {
     ];
   }
 
-  /** Barge-in: silence the player at once and cancel the server's utterances. */
+  /**
+   * Barge-in: silence the player at once and cancel the server's utterances. Resolves with the player's
+   * counters once it has stopped; each cancelled utterance then gets "utterance.cancelled".
+   */
   async cancel() {
     this.client.cancel();
-    const dropped = this.player.cancel();
-    for (const index of this._utterances.keys()) this.emit("utterance.cancelled", { utteranceIndex: index });
+    const cancelled = [...this._utterances];
     this._utterances.clear();
-    return dropped;
+    const stopped = await this.player.cancel();
+    for (const [index, u] of cancelled) {
+      const played = u.start === null ? 0 : Math.min(Math.max(stopped.at - u.start, 0), u.samples);
+      this.emit("utterance.cancelled", { utteranceIndex: index, played, sampleRate: u.rate });
+    }
+    return stopped;
   }
 
   detach() {

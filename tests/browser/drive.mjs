@@ -3,6 +3,12 @@
 //   node drive.mjs main    BASE_URL SCREENSHOT   speak a paragraph, stop mid-utterance, speak again
 //   node drive.mjs message PAGE_URL              open the page, press Speak, report the message shown
 //   node drive.mjs load    PAGE_URL              open the page, report its connection and message
+//   node drive.mjs resume  PAGE_URL              speak a paragraph through a connection the test cuts;
+//                                                report what played and the connection badges shown
+//   node drive.mjs close-reconnecting PAGE_URL?proxy=WS_URL
+//                                                a VoicewireClient of the page speaks through WS_URL, which
+//                                                the test cuts; it calls close() as soon as it is
+//                                                reconnecting; report what it emitted
 //
 // The assertions live in tests/test_browser.py; this script only acts as a user would and reports
 // what the page shows and what its player counted.
@@ -112,6 +118,7 @@ async function main(base) {
   const stopped = await last(page);
   const playedAfterWait = await page.evaluate(() => window.voicewireDemo.player.played);
   const statusAfterStop = await page.textContent("#status");
+  const playedShownAfterStop = await page.textContent("#played");
   await page.fill("#pace", "10");
 
   await startSpeaking(page, NEXT);
@@ -124,7 +131,10 @@ async function main(base) {
     message: window.voicewireDemo.message,
   }));
   await page.close();
-  return { loaded, errorsAfterLoad, outputRate, paragraph, stopped, stoppedAt, playedAfterWait, statusAfterStop, next, stats };
+  return {
+    loaded, errorsAfterLoad, outputRate, paragraph, stopped, stoppedAt, playedAfterWait, statusAfterStop,
+    playedShownAfterStop, next, stats,
+  };
 }
 
 async function message(url) {
@@ -151,7 +161,68 @@ async function load(url) {
   return shown;
 }
 
-const modes = { main, message, load };
+async function resume(url) {
+  const page = await openPage(url);
+  await page.evaluate(() => {
+    window.badges = [];
+    new MutationObserver(() => window.badges.push(document.getElementById("connection").textContent))
+      .observe(document.getElementById("connection"), { childList: true, characterData: true, subtree: true });
+  });
+  await page.fill("#pace", "10");
+  await page.fill("#piece", "5");
+  await startSpeaking(page, PARAGRAPH);
+  await waitEnded(page);
+  const paragraph = await last(page);
+  const shown = await page.evaluate(() => ({
+    reconnecting: window.voicewireDemo.reconnecting,
+    resumes: window.voicewireDemo.resumes,
+    badges: window.badges,
+    connection: document.getElementById("connection").textContent,
+    message: window.voicewireDemo.message,
+  }));
+  await page.close();
+  return { paragraph, ...shown };
+}
+
+/** A client of its own (not the demo's) through the proxy: close() at the first "reconnecting", whose
+ * attempt the proxy refuses, so close() falls between two attempts. */
+async function closeReconnecting(url) {
+  const page = await openPage(url);
+  const proxy = new URL(url).searchParams.get("proxy");
+  const report = await page.evaluate(async ({ proxy, text }) => {
+    const { VoicewireClient } = await import("/clients/voicewire.js");
+    const client = new VoicewireClient({ url: proxy });
+    const emitted = [];
+    let closeCalled = false;
+    let audioAfterClose = 0;
+    client.on("reconnecting", ({ attempt }) => {
+      emitted.push(`reconnecting ${attempt}`);
+      if (attempt === 1) {
+        client.close();
+        closeCalled = true;
+      }
+    });
+    client.on("resumed", () => emitted.push("resumed"));
+    client.on("error", (e) => emitted.push(`error ${e.code}`));
+    client.on("audio", () => {
+      if (closeCalled) audioAfterClose += 1;
+    });
+    const closed = new Promise((resolve) => client.on("close", resolve));
+    await client.connect();
+    const updated = await client.configure({ seed: 7 });
+    client.sendText(text);
+    client.done();
+    const detail = await closed;
+    return {
+      sessionId: updated.session_id, emitted, audioAfterClose, closeCalled,
+      close: { code: detail.code, message: detail.message },
+    };
+  }, { proxy, text: PARAGRAPH });
+  await page.close();
+  return report;
+}
+
+const modes = { main, message, load, resume, "close-reconnecting": closeReconnecting };
 let result;
 try {
   result = await modes[mode](target);

@@ -22,6 +22,7 @@ from voicewire_client.events import (
     SessionUpdated,
     UnknownEvent,
     WordTiming,
+    decode_event,
     parse_event,
 )
 from voicewire_client.play import SoundCardPlayer, sounddevice_available
@@ -64,6 +65,7 @@ __all__ = [
     "VoicewireError",
     "WordTiming",
     "connect",
+    "decode_event",
     "parse_event",
     "sounddevice_available",
     "speak",

@@ -2,7 +2,7 @@
 
 The streamable formats (`pcm`, `wav`, `mulaw`, `alaw`) decode to int16 samples chunk by chunk with
 `UnitDecoder`; each synthesis unit's bytes start afresh (a `wav` unit starts with its own header). The
-whole-file formats (`flac`, `mp3`, `opus`) are kept as the bytes the server sent: this client does not
+whole-file formats (`flac`, `mp3`, `opus`, `aac`) are kept as the bytes the server sent: this client does not
 depend on a codec library.
 """
 
@@ -92,7 +92,7 @@ def _strip_wav_header(buf: bytes) -> bytes | None:
 @dataclass(slots=True)
 class Audio:
     """Mono audio of one utterance: int16 `samples` at `sample_rate` (decodable formats), or the
-    concatenated whole files the server sent (`encoded`, for `flac`/`mp3`/`opus`)."""
+    concatenated whole files the server sent (`encoded`, for `flac`/`mp3`/`opus`/`aac`)."""
 
     samples: Int16Array
     sample_rate: int

@@ -1,19 +1,21 @@
-"""Typed server events of the voicewire WebSocket protocol, and their parser.
+"""Typed server events of the voicewire WebSocket protocol, and their decoder.
 
-Every JSON event the server sends becomes one of the frozen dataclasses below (`parse_event`); binary
-audio frames and the audio of vllm-omni style `audio.chunk` events become `AudioData`. Event types this
-client does not know become `UnknownEvent`, so a newer server never breaks an older client, and unknown
-fields are ignored, as the protocol asks of clients.
+Every JSON event the server sends decodes, in one msgspec pass over the frame (`decode_event`), into one
+of the frozen Structs below, picked by its `type` tag; binary audio frames and the audio of vllm-omni
+style `audio.chunk` events become `AudioData` (the session does that: it knows which unit is open). Event
+types this client does not know become `UnknownEvent`, so a newer server never breaks an older client, and
+unknown fields are ignored, as the protocol asks of clients. This package is standalone: these types
+mirror the wire contract (docs/protocol.md) and import nothing of the server.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
+
+import msgspec
 
 
-@dataclass(frozen=True, slots=True)
-class WordTiming:
+class WordTiming(msgspec.Struct, frozen=True):
     """One spoken word: times in ms on the utterance timeline (0 = the utterance's first sample) and its
     character span in the utterance text (all `send_text` deltas of the utterance, concatenated)."""
 
@@ -23,25 +25,18 @@ class WordTiming:
     char_start: int
     char_end: int
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> WordTiming:
-        return cls(word=str(data["word"]), start_ms=float(data["start_ms"]), end_ms=float(data["end_ms"]),
-                   char_start=int(data["char_start"]), char_end=int(data["char_end"]))
 
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
+class EngineInfo(msgspec.Struct, frozen=True):
     """The engine behind the session, from `session.updated`."""
 
     name: str
     sample_rate: int
-    voices: tuple[str, ...]
-    default_voice: str
-    word_timestamps: bool
+    voices: tuple[str, ...] = ()
+    default_voice: str = ""
+    word_timestamps: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class SessionUpdated:
+class SessionUpdated(msgspec.Struct, frozen=True, tag="session.updated", tag_field="type"):
     """A `session.config` was accepted. `config` is the effective config (defaults applied), `limits`
     the published limits (timeouts, sizes, caps), both as the server sent them."""
 
@@ -49,23 +44,24 @@ class SessionUpdated:
     config: dict[str, Any]
     limits: dict[str, Any]
     engine: EngineInfo
+    resume_token: str | None = None
+    """What resumes this session on a new connection (`Session` does it by itself); None from a server
+    without resume."""
 
 
-@dataclass(frozen=True, slots=True)
-class AudioStart:
+class AudioStart(msgspec.Struct, frozen=True, tag="audio.start", tag_field="type"):
     """A synthesis unit (a sentence or clause) begins; its audio and words follow, then `AudioDone`."""
 
     utterance_index: int
     sentence_index: int
-    sentence_text: str
     format: str
     sample_rate: int
-    channels: int
+    sentence_text: str = ""
+    channels: int = 1
     context_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class AudioData:
+class AudioData(msgspec.Struct, frozen=True):
     """Audio bytes in the negotiated format, of the unit announced by the last `AudioStart`."""
 
     utterance_index: int
@@ -73,8 +69,7 @@ class AudioData:
     data: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class AudioWords:
+class AudioWords(msgspec.Struct, frozen=True, tag="audio.words", tag_field="type"):
     """Word timings of a unit, on the utterance timeline; sent no later than the unit's last audio."""
 
     utterance_index: int
@@ -82,8 +77,7 @@ class AudioWords:
     words: tuple[WordTiming, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class AudioDone:
+class AudioDone(msgspec.Struct, frozen=True, tag="audio.done", tag_field="type"):
     """A unit ended. `error` is true when it failed or was cancelled after `AudioStart`."""
 
     utterance_index: int
@@ -93,20 +87,32 @@ class AudioDone:
     audio_ms: float
 
 
-@dataclass(frozen=True, slots=True)
-class SessionDone:
+class Timings(msgspec.Struct, frozen=True):
+    """The server's timings of an utterance (`session.done.timings`)."""
+
+    first_audio_ms: float | None = None
+    engine_ms: float = 0.0
+
+
+class SessionDone(msgspec.Struct, frozen=True, tag="session.done", tag_field="type"):
     """The last unit of an utterance ended after `done()`. `first_audio_ms` is the server's time from
     the text that completed the first unit to its first audio; `engine_ms` the engine's compute time."""
 
     utterance_index: int
     total_sentences: int
     audio_ms: float
-    first_audio_ms: float | None
-    engine_ms: float
+    timings: Timings = msgspec.field(default_factory=Timings)
+
+    @property
+    def first_audio_ms(self) -> float | None:
+        return self.timings.first_audio_ms
+
+    @property
+    def engine_ms(self) -> float:
+        return self.timings.engine_ms
 
 
-@dataclass(frozen=True, slots=True)
-class AudioCancelled:
+class AudioCancelled(msgspec.Struct, frozen=True, tag="audio.cancelled", tag_field="type"):
     """Answers `cancel()`: no audio of this utterance follows. `audio_ms` is how much had been sent."""
 
     utterance_index: int
@@ -114,26 +120,34 @@ class AudioCancelled:
     context_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ErrorEvent:
+class ErrorEvent(msgspec.Struct, frozen=True, tag="error", tag_field="type"):
     """A server `error` event. A fatal one is followed by the server closing the socket; a non-fatal one
     leaves the session usable."""
 
-    code: str
-    message: str
-    fatal: bool
+    code: str = "error"
+    message: str = ""
+    fatal: bool = False
     param: str | None = None
     utterance_index: int | None = None
     sentence_index: int | None = None
     partial_audio: bool | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class UnknownEvent:
+class AudioChunk(msgspec.Struct, frozen=True, tag="audio.chunk", tag_field="type"):
+    """vllm-omni's JSON audio frame (`audio_frames="json"`): base64 audio and, on a unit's trailing chunk,
+    its words timed from the unit's first sample. The session turns it into `AudioData`/`AudioWords`."""
+
+    utterance_index: int
+    sentence_index: int
+    audio_b64: str = ""
+    timestamps: tuple[WordTiming, ...] | None = None
+
+
+class UnknownEvent(msgspec.Struct, frozen=True):
     """An event type this client does not know, kept whole."""
 
     type: str
-    data: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 Event = (
@@ -141,44 +155,36 @@ Event = (
     | ErrorEvent | UnknownEvent
 )
 
+_Tagged = (
+    SessionUpdated | AudioStart | AudioWords | AudioDone | SessionDone | AudioCancelled | ErrorEvent | AudioChunk
+)
+_TAGS: Final = frozenset({"session.updated", "audio.start", "audio.words", "audio.done", "session.done",
+                          "audio.cancelled", "error", "audio.chunk"})
+_decoder: Final = msgspec.json.Decoder(_Tagged)
+
+
+def decode_event(frame: str | bytes) -> Event | AudioChunk:
+    """Decode one JSON text frame of the server. Raises `ValueError` when it is not JSON, or when an event
+    of a known type lacks a required field or has one of the wrong type."""
+    try:
+        return _decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        return _unknown(msgspec.json.decode(frame), exc)
+
 
 def parse_event(data: dict[str, Any]) -> Event:
-    """Turn one decoded JSON server event into its dataclass (`audio.chunk` is handled by the session,
-    which knows the unit offsets; here it stays an `UnknownEvent`). Raises `KeyError`/`ValueError` on an
-    event of a known type with a missing or malformed required field."""
-    kind = str(data.get("type"))
-    if kind == "session.updated":
-        engine = data["engine"]
-        return SessionUpdated(
-            session_id=str(data["session_id"]), config=dict(data["config"]), limits=dict(data["limits"]),
-            engine=EngineInfo(name=str(engine["name"]), sample_rate=int(engine["sample_rate"]),
-                              voices=tuple(engine.get("voices", ())),
-                              default_voice=str(engine.get("default_voice", "")),
-                              word_timestamps=bool(engine.get("word_timestamps", False))))
-    if kind == "audio.start":
-        return AudioStart(utterance_index=int(data["utterance_index"]), sentence_index=int(data["sentence_index"]),
-                          sentence_text=str(data.get("sentence_text", "")), format=str(data["format"]),
-                          sample_rate=int(data["sample_rate"]), channels=int(data.get("channels", 1)),
-                          context_id=data.get("context_id"))
-    if kind == "audio.words":
-        return AudioWords(utterance_index=int(data["utterance_index"]), sentence_index=int(data["sentence_index"]),
-                          words=tuple(WordTiming.from_json(w) for w in data["words"]))
-    if kind == "audio.done":
-        return AudioDone(utterance_index=int(data["utterance_index"]), sentence_index=int(data["sentence_index"]),
-                         total_bytes=int(data["total_bytes"]), error=bool(data["error"]),
-                         audio_ms=float(data["audio_ms"]))
-    if kind == "session.done":
-        timings = data.get("timings") or {}
-        first = timings.get("first_audio_ms")
-        return SessionDone(utterance_index=int(data["utterance_index"]), total_sentences=int(data["total_sentences"]),
-                           audio_ms=float(data["audio_ms"]), first_audio_ms=None if first is None else float(first),
-                           engine_ms=float(timings.get("engine_ms", 0.0)))
-    if kind == "audio.cancelled":
-        return AudioCancelled(utterance_index=int(data["utterance_index"]), audio_ms=float(data["audio_ms"]),
-                              context_id=data.get("context_id"))
-    if kind == "error":
-        return ErrorEvent(code=str(data.get("code", "error")), message=str(data.get("message", "")),
-                          fatal=bool(data.get("fatal", False)), param=data.get("param"),
-                          utterance_index=data.get("utterance_index"), sentence_index=data.get("sentence_index"),
-                          partial_audio=data.get("partial_audio"))
-    return UnknownEvent(type=kind, data=data)
+    """`decode_event` for an already-decoded JSON object (`audio.chunk` stays an `UnknownEvent` here: the
+    session, which knows the unit offsets, handles it). Raises `ValueError` as `decode_event` does."""
+    try:
+        event: Event | AudioChunk = msgspec.convert(data, _Tagged)
+    except msgspec.ValidationError as exc:
+        return _unknown(data, exc)
+    return UnknownEvent(type="audio.chunk", data=data) if isinstance(event, AudioChunk) else event
+
+
+def _unknown(data: Any, exc: msgspec.ValidationError) -> UnknownEvent:
+    """An `UnknownEvent` for an object of a type this client does not know; re-raises `exc` otherwise."""
+    kind = data.get("type") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or kind in _TAGS:
+        raise exc
+    return UnknownEvent(type=str(kind), data=data)

@@ -9,10 +9,15 @@ Install with `pip install "voicewire-client[pipecat]"`, then put the service whe
                          assistant_aggregator])
 
 Contracts:
-- One WebSocket per service, opened at `StartFrame` and closed at `EndFrame`/`CancelFrame`. It is replaced
-  only when it actually dies (the server closed it, the network dropped): then Pipecat's reconnect loop
-  retries with exponential backoff (`reconnect_backoff_min_wait` .. `reconnect_backoff_max_wait` seconds).
-  Audio still due on the dead socket is lost; the turn in progress moves to a new audio context.
+- One voicewire session per service, opened at `StartFrame` and closed at `EndFrame`/`CancelFrame`.
+  A connection that drops without a close frame (a network blip) is resumed by the client's `Session`:
+  it reconnects to the same URL plus `?session_id=` within the server's `resume_window_s`, the server
+  replays what was lost and the session resends the text the server had not applied, so the turn in
+  progress plays on with no sample lost or repeated (text sent meanwhile is kept and goes out on the
+  resumed connection). The session is replaced only when it actually ends (the server closed it, or the
+  resume was refused or ran out of time): then Pipecat's reconnect loop opens a new one with exponential
+  backoff (`reconnect_backoff_min_wait` .. `reconnect_backoff_max_wait` seconds); audio still due on the
+  ended session is lost and the turn in progress moves to a new audio context.
 - A Pipecat audio context is a voicewire `context_id`: every `input.text`/`input.done` of the context
   carries it. With `TextAggregationMode.TOKEN` the LLM's tokens of a context form one utterance that the
   server splits into sentences (`split_granularity: "sentence"`), ended by `input.done` when Pipecat flushes
@@ -29,6 +34,10 @@ Contracts:
   given): the service asks the server for that rate in `session.config`, so nothing is resampled here.
 - Changing `voice`, `model` or `language` with `TTSUpdateSettingsFrame` re-sends `session.config` before
   the next utterance (the server refuses a config while an utterance is open, so it is never sent then).
+- The socket is a `voicewire_client.Session` on Pipecat's bounded connection: the handshake
+  (`session.config` answered by `session.updated`), the messages sent, the decoding of events and the
+  resume are the client's, shared with `connect()`; this module only maps them onto Pipecat's frames and
+  contexts.
 - Memory: the service keeps, per open context, the text of its utterances in flight (for word spans) and
   a few counters; audio is handed to Pipecat as it arrives.
 """
@@ -36,7 +45,6 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,21 +55,28 @@ from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode, WebsocketTTSService
 from pipecat.transcriptions.language import Language
 from websockets.asyncio.client import ClientConnection
-from websockets.protocol import State
 
 from voicewire_client._agents import Utterance, refuse_owned_fields, word_end
 from voicewire_client.audio import UnitDecoder
 from voicewire_client.events import (
     AudioCancelled,
+    AudioData,
     AudioStart,
     AudioWords,
     ErrorEvent,
+    Event,
     SessionDone,
-    SessionUpdated,
     WordTiming,
-    parse_event,
 )
-from voicewire_client.session import stream_url
+from voicewire_client.session import (
+    ConnectError,
+    ServerError,
+    Session,
+    SessionClosedError,
+    dial,
+    resume_url,
+    stream_url,
+)
 
 __all__ = ["VoicewireTTSService"]
 
@@ -143,11 +158,10 @@ class VoicewireTTSService(WebsocketTTSService):
         self._extra_config = dict(session_config or {})
         self._config_timeout = config_timeout
         self._receive_task: asyncio.Task[None] | None = None
-        self._session_id: str | None = None
+        self._session: Session | None = None
         self._config_dirty = False
         self._contexts: dict[str, _Context] = {}
         self._utterances: dict[int, _Utterance] = {}
-        self._next_utterance = 0
         self._unit: tuple[_Utterance | None, UnitDecoder] | None = None
 
     # -- public surface ------------------------------------------------------------------------------
@@ -155,7 +169,8 @@ class VoicewireTTSService(WebsocketTTSService):
     @property
     def session_id(self) -> str | None:
         """The server's `session_id` of the current WebSocket; None while disconnected."""
-        return self._session_id
+        updated = self._session.updated if self._session is not None else None
+        return updated.session_id if updated is not None else None
 
     def can_generate_metrics(self) -> bool:
         """TTFB, TTFA and usage metrics are reported."""
@@ -163,6 +178,9 @@ class VoicewireTTSService(WebsocketTTSService):
 
     def session_config(self) -> dict[str, Any]:
         """The `session.config` message this service sends (None values left out)."""
+        return {"type": "session.config", **self._config_fields()}
+
+    def _config_fields(self) -> dict[str, Any]:
         language = self._settings.language
         fields: dict[str, Any] = {
             "split_granularity": "sentence" if self._is_streaming_tokens else "none",
@@ -177,7 +195,7 @@ class VoicewireTTSService(WebsocketTTSService):
             "audio_frames": "binary",
             "word_timestamps": True,
         }
-        return {"type": "session.config", **{k: v for k, v in fields.items() if v is not None}}
+        return {k: v for k, v in fields.items() if v is not None}
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -191,7 +209,8 @@ class VoicewireTTSService(WebsocketTTSService):
         try:
             await self._connect_websocket()
         except Exception as exc:
-            await self.push_error(error_msg=f"{self}: could not connect to {self._url}: {exc}", exception=exc)
+            what = str(exc) if isinstance(exc, ConnectError) else f"could not connect to {self._url}: {exc}"
+            await self.push_error(error_msg=f"{self}: {what}", exception=exc)
             await self._call_event_handler("on_connection_error", str(exc))
             return
         if self._receive_task is None or self._receive_task.done():
@@ -206,31 +225,50 @@ class VoicewireTTSService(WebsocketTTSService):
 
     async def _connect_websocket(self) -> None:
         """Open the socket and configure the session; raises when the server refuses or does not answer."""
-        if self._websocket is not None and self._websocket.state is State.OPEN:
+        if self._live():
             return
-        headers = {"Authorization": f"Bearer {self._token}"} if self._token else None
-        ws: ClientConnection = await self._websocket_connect(self._url, additional_headers=headers, max_size=None)
+        ws = await self._dial(self._url)
+        session = Session(ws, redial=self._redial)
         try:
-            await ws.send(json.dumps(self.session_config()))
-            updated = await asyncio.wait_for(_configured(ws), self._config_timeout)
+            updated = await asyncio.wait_for(session.configure(**self._config_fields()), self._config_timeout)
+        except ServerError as exc:
+            await session.close()
+            raise ConnectionError(f"the server refused the session config: {exc.event.code}: "
+                                  f"{exc.event.message}") from None
+        except SessionClosedError as exc:
+            await session.close()
+            raise ConnectionError(f"the server closed the socket before answering session.config "
+                                  f"(code {exc.code}: {exc.reason or 'no reason'})") from None
         except BaseException:
-            await ws.close()
+            await session.close()
             raise
         self._reset_session_state()
-        self._websocket = ws
-        self._session_id = updated.session_id
+        self._websocket, self._session = ws, session
         self._config_dirty = False
         logger.debug(f"{self}: connected to {self._url} as {updated.session_id} ({updated.engine.name})")
         await self._call_event_handler("on_connected")
 
+    async def _dial(self, url: str) -> ClientConnection:
+        return await dial(url, token=self._token, open_timeout=self._config_timeout, shown_url=self._url,
+                          opener=self._websocket_connect)
+
+    async def _redial(self, session_id: str) -> ClientConnection:
+        """The session's new connection after a drop (it resumes on it): Pipecat's bounded connection too."""
+        ws = await self._dial(resume_url(self._url, session_id))
+        self._websocket = ws
+        return ws
+
+    def _live(self) -> bool:
+        """A session is open (its connection may be being resumed: text sent meanwhile is kept for it)."""
+        return self._session is not None and not self._session.closed
+
     async def _disconnect_websocket(self) -> None:
         await self.stop_all_metrics()  # type: ignore[no-untyped-call]
-        ws, self._websocket = self._websocket, None
-        self._session_id = None
+        session, self._session, self._websocket = self._session, None, None
         self._reset_session_state()
-        if ws is not None:
+        if session is not None:
             try:
-                await ws.close()
+                await session.close()
             except Exception as exc:
                 logger.debug(f"{self}: error closing the WebSocket: {exc}")
             await self._call_event_handler("on_disconnected")
@@ -239,7 +277,6 @@ class VoicewireTTSService(WebsocketTTSService):
         """Utterance numbering and contexts belong to one server session; a new socket starts afresh."""
         self._contexts.clear()
         self._utterances.clear()
-        self._next_utterance = 0
         self._unit = None
 
     # -- text out ------------------------------------------------------------------------------------
@@ -247,9 +284,9 @@ class VoicewireTTSService(WebsocketTTSService):
     async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
         """Send `text` as a delta of `context_id`'s utterance (opening one if needed); audio and words
         arrive on the receive task. In sentence mode the sentence is also ended (`input.done`) here."""
-        if (self._websocket is None or self._websocket.state is not State.OPEN) and not self._reconnect_in_progress:
+        if not self._live() and not self._reconnect_in_progress:
             await self._connect()
-        if self._websocket is None or self._websocket.state is not State.OPEN:
+        if not self._live():
             yield ErrorFrame(error=f"{self}: not connected to {self._url}")
             return
         try:
@@ -261,6 +298,7 @@ class VoicewireTTSService(WebsocketTTSService):
         yield None
 
     async def _send_text(self, text: str, context_id: str) -> None:
+        session = self._connected()
         ctx = self._contexts.setdefault(context_id, _Context(context_id))
         if ctx.open is None:
             for other in self._contexts.values():
@@ -268,20 +306,19 @@ class VoicewireTTSService(WebsocketTTSService):
                     # The server holds one open utterance at a time (a TTSSpeakFrame inside an LLM turn).
                     await self._end_utterance(other)
             if self._config_dirty:
-                await self._send(self.session_config())
+                await session.configure(**self._config_fields())
                 self._config_dirty = False
-            ctx.open = _Utterance(self._next_utterance, context_id)
+            ctx.open = _Utterance(session.current_utterance_index, context_id)
             self._utterances[ctx.open.index] = ctx.open
             ctx.pending.add(ctx.open.index)
-            self._next_utterance += 1
         ctx.open.parts.append(text)
-        await self._send({"type": "input.text", "text": text, "context_id": context_id})
+        await session.send_text(text, context_id=context_id)
         if not self._is_streaming_tokens:
             await self._end_utterance(ctx)
 
     async def _end_utterance(self, ctx: _Context) -> None:
         ctx.open = None
-        await self._send({"type": "input.done", "context_id": ctx.context_id})
+        await self._connected().done(context_id=ctx.context_id)
 
     async def flush_audio(self, context_id: str | None = None) -> None:
         """End the context's text: its open utterance gets `input.done`, and the context stops (with a
@@ -290,7 +327,7 @@ class VoicewireTTSService(WebsocketTTSService):
         if ctx is None:
             return
         ctx.flushed = True
-        if ctx.open is not None and self._websocket is not None:
+        if ctx.open is not None and self._session is not None:
             await self._end_utterance(ctx)
         await self._finish_if_done(ctx)
 
@@ -298,9 +335,9 @@ class VoicewireTTSService(WebsocketTTSService):
         """Barge-in: cancel the context's utterances on the server (the socket stays open)."""
         await self.stop_all_metrics()  # type: ignore[no-untyped-call]
         ctx = self._contexts.pop(context_id, None)
-        if ctx is not None and ctx.pending and self._websocket is not None:
+        if ctx is not None and ctx.pending and self._session is not None:
             try:
-                await self._send({"type": "input.cancel", "context_id": context_id})
+                await self._session.cancel(context_id=context_id)
             except Exception as exc:
                 logger.debug(f"{self}: input.cancel not sent: {exc}")
         await super().on_audio_context_interrupted(context_id)
@@ -311,25 +348,24 @@ class VoicewireTTSService(WebsocketTTSService):
             self._config_dirty = True
         return changed
 
-    async def _send(self, message: dict[str, Any]) -> None:
-        if self._websocket is None:
+    def _connected(self) -> Session:
+        if self._session is None:
             raise ConnectionError(f"{self}: not connected")
-        await self._websocket.send(json.dumps(message))
+        return self._session
 
     # -- events in -----------------------------------------------------------------------------------
 
     async def _receive_messages(self) -> None:
-        if self._websocket is None:
+        """The session's events until its socket closes (then Pipecat's receive loop reconnects)."""
+        if self._session is None:
             return
-        async for message in self._websocket:
-            if isinstance(message, bytes):
-                await self._on_audio(message)
-            else:
-                await self._on_event(json.loads(message))
+        async for event in self._session:
+            await self._on_event(event)
 
-    async def _on_event(self, data: dict[str, Any]) -> None:
-        event = parse_event(data)
-        if isinstance(event, AudioStart):
+    async def _on_event(self, event: Event) -> None:
+        if isinstance(event, AudioData):
+            await self._on_audio(event.data)
+        elif isinstance(event, AudioStart):
             utterance = self._utterances.get(event.utterance_index)
             if utterance is not None and utterance.base_bytes is None:
                 ctx = self._contexts.get(utterance.context_id)
@@ -339,8 +375,6 @@ class VoicewireTTSService(WebsocketTTSService):
             await self._on_words(event)
         elif isinstance(event, SessionDone | AudioCancelled):
             await self._on_utterance_finished(event.utterance_index)
-        elif isinstance(event, SessionUpdated):
-            self._session_id = event.session_id
         elif isinstance(event, ErrorEvent):
             await self.push_error(error_msg=f"{self}: server error {event.code}: {event.message}")
 
@@ -383,16 +417,3 @@ class VoicewireTTSService(WebsocketTTSService):
             await self.append_to_audio_context(ctx.context_id, TTSStoppedFrame(context_id=ctx.context_id))
             await self.remove_audio_context(ctx.context_id)
 
-
-async def _configured(ws: ClientConnection) -> SessionUpdated:
-    """The server's answer to the first `session.config`: `session.updated`, or a `ConnectionError`."""
-    async for message in ws:
-        if isinstance(message, bytes):
-            continue
-        event = parse_event(json.loads(message))
-        if isinstance(event, SessionUpdated):
-            return event
-        if isinstance(event, ErrorEvent):
-            raise ConnectionError(f"the server refused the session config: {event.code}: {event.message}")
-    raise ConnectionError(f"the server closed the socket before answering session.config "
-                          f"(code {ws.close_code}: {ws.close_reason or 'no reason'})")

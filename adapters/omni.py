@@ -1,0 +1,456 @@
+"""The `omni` engine: vllm-omni's own multi-stage pipeline (`AsyncOmni`), driven in-process.
+
+`voicewire serve --engine omni --model DIR [--stage-config YAML]`. vllm-omni does the model work (its stage
+processes, connectors, prompt builders); this module turns one synthesis unit into one vllm-omni request
+and streams its audio. Everything taken from vllm-omni goes through `omni_compat` (pinned version).
+
+Family: Qwen3-TTS (`model_type: qwen3_tts`, 12 Hz tokenizer), on vllm-omni 0.26.0 and 0.30.0. Other
+families are served through vllm-omni's own speech adapters by `omni_families.py` (`omni_engine` picks the
+engine for a model folder; docs/engines.md has the table).
+
+Facts come from the model folder, never from a list here: the checkpoint's task (`tts_model_type`:
+CustomVoice, VoiceDesign or Base), its speakers (`talker_config.spk_id`, in config order, the first is the
+default), languages (`talker_config.codec_language_id`), sample rate (`speech_tokenizer/config.json`,
+`output_sample_rate`) and codec frame rate (for the length of reference codes).
+
+One request per unit: the parameters vllm-omni's Qwen3-TTS talker reads (`additional_information`: text,
+task type, language, speaker, instruction, reference audio and text, x-vector mode, length limits), and a
+placeholder prompt whose length vllm-omni's prompt builder computes. The unit's first piece reports the
+reference-audio codec tokens in that prompt (`AudioPiece.input_audio_tokens`), counted by vllm-omni's own
+usage code: `ref_code_length` for in-context cloning, 0 otherwise. Closing the unit's iterator (cancel,
+disconnect, timeout) closes vllm-omni's stream, which aborts the request in every stage.
+
+Chunks: vllm-omni's talker hands its codec frames to the code2wav stage in chunks. As shipped, a unit's
+first chunk is one frame (80 ms) and every later chunk `codec_chunk_frames` (25), so a player that starts
+at the first byte runs dry after 80 ms, on every stream. The engine ramps instead (`codec_chunk_ramp`,
+docs/engines.md "omni: chunk ramp"): the same first frame, then chunks that grow with the audio already
+sent, so each is ready before the audio before it has played. It sets vllm-omni's own connector option
+`codec_chunk_ramp` in the deploy YAML it starts with; vllm-omni counts chunks per request, so every unit
+ramps from its own start.
+
+A stage that dies (its process killed or crashed): vllm-omni fails the requests routed through it, and
+its health check reports the stage dead from then on. The units in flight end with `EngineWorkerLost`
+(error code `generation_failed`), later units fail at once with the same, and `failure()` reports it,
+so the server answers `/ready` 503 (a balancer routes away) and `/health` 500 (an orchestrator restarts
+it). vllm-omni cannot restart one stage of a running pipeline, so the engine is not restarted in-process.
+
+Random-weight mode (`random_weights`, tests and benchmarks): every stage loads with `load_format: dummy`,
+and since random weights never stop, each unit's length is forced (`frames_per_char`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, cast
+
+import numpy as np
+from voicewire.adapters import omni_compat
+from voicewire.protocol.engine import (
+    AudioPiece,
+    EngineCapabilities,
+    EngineInfo,
+    EngineWorkerLost,
+    SynthesisRequest,
+    VoiceSample,
+)
+
+log = logging.getLogger("voicewire.omni")
+
+CONFIG_DIR: Final = Path(__file__).resolve().parent / "omni_configs"
+CPU_STAGE_CONFIGS: Final = {"qwen3_tts": CONFIG_DIR / "qwen3_tts_cpu.yaml"}
+"""The stage configs this project ships for vLLM's CPU build, per model type (`--stage-config`)."""
+
+TASK_TYPES: Final = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
+"""Qwen3-TTS `tts_model_type` -> the task vllm-omni runs for it (one per checkpoint)."""
+
+DEFAULT_VOICE: Final = "default"
+"""The voice name of checkpoints without predefined speakers (VoiceDesign, Base)."""
+
+WARMUP_TEXT: Final = "Warm up."
+
+COMMON_FIELDS: Final = ("seed", "max_new_tokens", "initial_codec_chunk_frames", "non_streaming_mode")
+"""Request fields every Qwen3-TTS checkpoint honours (`non_streaming_mode`: text given whole or streamed
+into the talker's prompt; vllm-omni's default is whole for CustomVoice and VoiceDesign)."""
+DEFAULT_CHUNK_RAMP: Final = (1, 1, 1, 1, 2, 3, 4, 6, 9, 14, 21)
+"""Frames in a unit's first chunks (80 ms each): the first as vllm-omni ships it (one frame), then each
+half the frames already sent; past the table every chunk is the stage config's `codec_chunk_frames`. A
+chunk of half the audio sent is ready before that audio has played while the talker runs at 1.5x real
+time or better (doubling chunks would need 2x)."""
+CLONING_FIELDS: Final = ("ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding")
+"""What a Base checkpoint honours besides; the others honour `instructions` instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class OmniConfig:
+    """What the omni engine needs; `voicewire serve --engine omni` fills it from flags.
+
+    `stage_config`: a vllm-omni deploy YAML; None uses vllm-omni's own for the model type.
+    `max_concurrency`: units computed at once (keep it at or below the talker stage's `max_num_seqs`).
+    `max_new_tokens`: the default cap on codec frames per unit (vllm-omni's speech server uses 2048).
+    `codec_chunk_ramp`: frames in each of a unit's first chunks (then the stage config's
+    `codec_chunk_frames`; entries above it are capped to it); () keeps the stage config's chunking as it is
+    (a first chunk of `initial_codec_chunk_frames`, then `codec_chunk_frames`).
+    """
+
+    model: str
+    stage_config: str | None = None
+    max_concurrency: int = 4
+    max_new_tokens: int = 2048
+    random_weights: bool = False
+    frames_per_char: float = 0.25
+    """Random-weight mode: forced length, frames (80 ms each) per character."""
+    init_timeout_s: float = 600.0
+    codec_chunk_ramp: tuple[int, ...] = DEFAULT_CHUNK_RAMP
+
+    def __post_init__(self) -> None:
+        if self.codec_chunk_ramp and (len(self.codec_chunk_ramp) < 2 or min(self.codec_chunk_ramp) < 1):
+            raise ValueError(f"omni: codec_chunk_ramp {list(self.codec_chunk_ramp)} needs at least 2 entries, "
+                             "each at least 1 frame (or none: no ramp)")
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen3TTSModel:
+    """The facts of a Qwen3-TTS folder that the engine uses (see the module doc)."""
+
+    task_type: str
+    speakers: tuple[str, ...]
+    languages: tuple[str, ...]
+    sample_rate: int
+    frame_rate: float
+    codec_language_id: dict[str, int]
+    spk_is_dialect: dict[str, object]
+
+    @classmethod
+    def read(cls, folder: Path) -> Qwen3TTSModel:
+        config = _read_json(folder / "config.json")
+        kind = str(config.get("tts_model_type", ""))
+        if kind not in TASK_TYPES:
+            raise ValueError(f"omni: {folder}/config.json has tts_model_type {kind!r}; Qwen3-TTS checkpoints are "
+                             f"one of {', '.join(TASK_TYPES)}")
+        talker = cast(dict[str, Any], config.get("talker_config") or {})
+        codec = _read_json(folder / "speech_tokenizer" / "config.json")
+        rate = int(codec.get("output_sample_rate") or 0)
+        frame_rate = float(cast(dict[str, Any], codec.get("encoder_config") or {}).get("frame_rate") or 0)
+        if rate <= 0 or frame_rate <= 0:
+            raise ValueError(f"omni: {folder}/speech_tokenizer/config.json gives no output_sample_rate or frame_rate")
+        speakers = tuple(cast(dict[str, int], talker.get("spk_id") or {})) if kind == "custom_voice" else ()
+        languages = cast(dict[str, int], talker.get("codec_language_id") or {})
+        return cls(task_type=TASK_TYPES[kind], speakers=speakers, languages=("auto", *languages), sample_rate=rate,
+                   frame_rate=frame_rate, codec_language_id=dict(languages),
+                   spk_is_dialect=dict(cast(dict[str, object], talker.get("spk_is_dialect") or {})))
+
+
+def model_type(folder: Path) -> str:
+    """The folder's `model_type` (config.json), or raise `FileNotFoundError`/`ValueError`."""
+    config = _read_json(folder / "config.json")
+    return str(config.get("model_type", ""))
+
+
+class OmniEngine:
+    """vllm-omni's pipeline behind the voicewire `Engine` interface (see the module doc)."""
+
+    def __init__(self, config: OmniConfig) -> None:
+        self.config = config
+        folder = Path(config.model)
+        kind = model_type(folder)
+        if kind != "qwen3_tts":
+            raise ValueError(f"omni: model type {kind!r} is not supported yet (supported: qwen3_tts; "
+                             "docs/engines.md lists each family and what blocks it)")
+        if config.stage_config is not None and not Path(config.stage_config).is_file():
+            raise FileNotFoundError(f"omni: stage config {config.stage_config} does not exist")
+        self.model = Qwen3TTSModel.read(folder)
+        m = self.model
+        voices = m.speakers or (DEFAULT_VOICE,)
+        fields = {*COMMON_FIELDS, *(CLONING_FIELDS if m.task_type == "Base" else ("instructions",))}
+        values: dict[str, tuple[object, ...]] = {"task_type": (m.task_type,)}
+        if config.codec_chunk_ramp:  # vllm-omni's ramp decides the first chunk: a request can only match it
+            fields.discard("initial_codec_chunk_frames")
+            values["initial_codec_chunk_frames"] = (config.codec_chunk_ramp[0],)
+        self._info = EngineInfo(
+            name="omni", sample_rate=m.sample_rate, voices=voices, default_voice=voices[0], languages=m.languages,
+            capabilities=EngineCapabilities(
+                word_timings=False, voice_cloning=m.task_type == "Base", speed_range=(1.0, 1.0), streaming="frame",
+                fields=frozenset(fields), values=values),
+            max_concurrency=config.max_concurrency)
+        self._omni: Any = None
+        self._tokenizer: Any = None
+        self._deploy_file: str | None = None
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def task_type(self) -> str:
+        """The one task this checkpoint runs: `CustomVoice`, `VoiceDesign` or `Base`."""
+        return self.model.task_type
+
+    def failure(self) -> str | None:
+        """Why the engine cannot serve any more (`FailureReporting`, `pipeline_down`)."""
+        return pipeline_down(self._omni)
+
+    def requests_in_flight(self) -> int:
+        """Requests vllm-omni still tracks (for tests: 0 after every unit ended or was cancelled)."""
+        return 0 if self._omni is None else omni_compat.requests_in_flight(self._omni)
+
+    async def start(self) -> None:
+        """Check the vllm-omni version, start its pipeline (one process per stage), run one short unit."""
+        if self._omni is not None:
+            return
+        omni_compat.check_version()
+        from transformers import AutoTokenizer
+
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # one host: no address discovery
+        self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        self._deploy_file = self._deploy_config()
+        self._omni = await asyncio.to_thread(omni_compat.create_async_omni, self.config.model, self._deploy_file,
+                                             init_timeout_s=self.config.init_timeout_s)
+        try:
+            await self._warm_up()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        omni, self._omni = self._omni, None
+        deploy, self._deploy_file = self._deploy_file, None
+        await shut_down(omni, deploy, self.config.stage_config)
+
+    def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
+        return lost_with_pipeline(self.failure, self._synthesize(request))
+
+    # -- request -------------------------------------------------------------------------------------
+
+    def parameters(self, request: SynthesisRequest) -> dict[str, list[Any]]:
+        """The unit's `additional_information` for vllm-omni's Qwen3-TTS talker (each value in a one-item
+        list, as vllm-omni batches them). Raises ValueError for a request this checkpoint cannot run."""
+        m = self.model
+        task = request.task_type or m.task_type
+        if task != m.task_type:
+            raise ValueError(f"omni: this Qwen3-TTS checkpoint runs task_type {m.task_type!r}, not {task!r}")
+        language = (request.language or "auto").lower()
+        if language not in m.languages:
+            raise ValueError(f"omni: language {request.language!r} is not one of {', '.join(m.languages)}")
+        params: dict[str, list[Any]] = {
+            "text": [request.text], "task_type": [task], "language": [language.title()],
+            "instruct": [request.instructions or ""],
+            "max_new_tokens": [request.max_new_tokens or self.config.max_new_tokens],
+        }
+        if request.initial_codec_chunk_frames is not None and not self.config.codec_chunk_ramp:
+            params["initial_codec_chunk_frames"] = [request.initial_codec_chunk_frames]
+        if request.non_streaming_mode is not None:
+            params["non_streaming_mode"] = [request.non_streaming_mode]
+        if task == "CustomVoice":
+            speaker = request.voice.lower()
+            if speaker not in m.speakers:
+                raise ValueError(f"omni: unknown speaker {request.voice!r}; available: {', '.join(m.speakers)}")
+            params["speaker"] = [speaker]
+        elif task == "VoiceDesign":
+            if not request.instructions:
+                raise ValueError("omni: VoiceDesign needs instructions describing the voice")
+            params.setdefault("non_streaming_mode", [True])  # vllm-omni's speech server does the same
+        else:
+            self._clone_parameters(request, params)
+        return params
+
+    def _clone_parameters(self, request: SynthesisRequest, params: dict[str, list[Any]]) -> None:
+        embedding = request.speaker_embedding
+        x_vector_only = bool(request.x_vector_only_mode or embedding)
+        ref_text = request.ref_text
+        if embedding:
+            params["voice_clone_prompt"] = [{"ref_spk_embedding": [float(v) for v in embedding]}]
+        else:
+            reference = request.reference
+            if reference is None:
+                raise ValueError("omni: Base (cloning) needs ref_audio, an uploaded voice or speaker_embedding")
+            audio, rate = reference.samples(), reference.sample_rate
+            params["ref_audio"] = [[audio.tolist(), rate]]
+            params["ref_code_length"] = [math.ceil(len(audio) / rate * self.model.frame_rate)]
+        if not x_vector_only and not (ref_text and ref_text.strip()):
+            raise ValueError("omni: Base cloning needs ref_text (the reference's transcript) unless "
+                             "x_vector_only_mode is true")
+        params["x_vector_only_mode"] = [x_vector_only]
+        if ref_text and not x_vector_only:
+            params["ref_text"] = [ref_text]
+
+    def _prompt(self, params: Mapping[str, list[Any]]) -> dict[str, Any]:
+        m = self.model
+        tokenizer = self._tokenizer
+
+        def tokenize(text: str) -> list[int]:
+            return list(tokenizer(text, padding=False)["input_ids"])
+
+        def ref_code_len(_reference: object) -> int | None:
+            lengths = params.get("ref_code_length")
+            return int(lengths[0]) if lengths else None
+
+        length = omni_compat.qwen3_tts_prompt_len(
+            params, task_type=params["task_type"][0], tokenize=tokenize, codec_language_id=m.codec_language_id,
+            spk_is_dialect=m.spk_is_dialect, ref_code_len=ref_code_len)
+        return omni_compat.token_prompt(length, params)
+
+    def _sampling_params(self, request: SynthesisRequest, params: Mapping[str, list[Any]]) -> list[Any]:
+        sampling = omni_compat.streaming_sampling_params(self._omni)
+        talker = sampling[0]
+        frames = int(params["max_new_tokens"][0])
+        if self.config.random_weights:
+            frames = min(frames, max(2, round(len(request.text) * self.config.frames_per_char)))
+            talker.min_tokens = frames
+        talker.max_tokens = frames
+        if request.seed is not None:
+            talker.seed = request.seed
+        return sampling
+
+    async def _synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
+        omni = self._omni
+        if omni is None:
+            raise RuntimeError("omni: engine is not started (call start() first)")
+        if request.speed != 1.0:
+            raise ValueError(f"omni: speed {request.speed} is outside the native range 1.0..1.0")
+        params = self.parameters(request)
+        prompt = self._prompt(params)
+        sampling = self._sampling_params(request, params)
+        rate = self.model.sample_rate
+        reference_tokens = omni_compat.qwen3_tts_reference_tokens(params)  # on the first piece, as usage
+        async with contextlib.aclosing(audio_chunks(omni, prompt, request.request_id, sampling)) as chunks:
+            async for _, samples in chunks:
+                yield AudioPiece(samples, rate, input_audio_tokens=reference_tokens)
+                reference_tokens = 0
+
+    # -- start-up ------------------------------------------------------------------------------------
+
+    def _deploy_config(self) -> str | None:
+        """The deploy YAML to start with: `stage_config` (None: vllm-omni's default for the model type) as
+        it is, or, with a chunk ramp or in random-weight mode, a copy (a temporary file, removed by
+        `close`) that sets `codec_chunk_ramp` on every codec-streaming connector and, in random-weight
+        mode, `load_format: dummy` on every stage."""
+        path = self.config.stage_config
+        ramp = self.config.codec_chunk_ramp
+        if not ramp and not self.config.random_weights:
+            return path
+        if path is None and self.config.random_weights:
+            raise ValueError("omni: random-weight mode needs --stage-config (e.g. adapters/omni_configs/"
+                             "qwen3_tts_cpu.yaml)")
+        source = path or str(omni_compat.default_deploy_config("qwen3_tts"))
+        deploy = omni_compat.resolved_deploy_config(source)
+        if ramp:
+            _set_chunk_ramp(deploy, ramp, source)
+        if self.config.random_weights:
+            for stage in deploy.get("stages", []):
+                stage["load_format"] = "dummy"
+        return written_deploy_config(deploy)
+
+    async def _warm_up(self) -> None:
+        m = self.model
+        base = m.task_type == "Base"
+        request = SynthesisRequest(
+            request_id="omni-warmup", text=WARMUP_TEXT, voice=self._info.default_voice, max_new_tokens=2,
+            instructions="A calm voice." if m.task_type == "VoiceDesign" else None,
+            reference=VoiceSample.of(np.zeros(m.sample_rate, np.float32), m.sample_rate) if base else None,
+            x_vector_only_mode=True if base else None)
+        async for _ in self._synthesize(request):
+            pass
+
+
+def pipeline_down(omni: Any) -> str | None:
+    """Why a started vllm-omni pipeline (`omni`, None before start) cannot serve any more, or None: a stage
+    process died or its orchestrator is gone (vllm-omni's own health check says which). vllm-omni does not
+    restart a stage, and neither do the omni engines: the server reports unready (and unhealthy) until it
+    is restarted (module doc)."""
+    failed = None if omni is None else omni_compat.pipeline_failure(omni)
+    return None if failed is None else f"omni: vllm-omni's pipeline is down ({failed}); restart the server"
+
+
+async def lost_with_pipeline(failure: Callable[[], str | None], pieces: AsyncGenerator[AudioPiece, None]
+                             ) -> AsyncGenerator[AudioPiece, None]:
+    """A unit's `pieces`, unless the engine's pipeline is down (`failure`, `pipeline_down`): then the unit
+    fails with `EngineWorkerLost` (error code `generation_failed`), at once when it was down before the unit,
+    or in place of whatever vllm-omni raised when a stage died under it. Closing this closes `pieces`."""
+    down = failure()
+    if down is not None:
+        raise EngineWorkerLost(down)
+    try:
+        async with contextlib.aclosing(pieces):
+            async for piece in pieces:
+                yield piece
+    except Exception as exc:
+        down = failure()
+        if down is None:
+            raise
+        raise EngineWorkerLost(down) from exc  # the unit is lost with the stage that died
+
+
+def _set_chunk_ramp(deploy: dict[str, Any], ramp: tuple[int, ...], source: str) -> None:
+    """Set vllm-omni's `codec_chunk_ramp` on every connector that streams codec frames in chunks (those
+    with `codec_chunk_frames`): `ramp` capped at that size, then that size (so the last ramp entry is the
+    steady chunk, as vllm-omni expects). Raises ValueError when no connector chunks codec frames."""
+    chunked = [extra for connector in (deploy.get("connectors") or {}).values()
+               if isinstance(extra := (connector or {}).get("extra"), dict) and "codec_chunk_frames" in extra]
+    if not chunked or not deploy.get("async_chunk", False):
+        raise ValueError(f"omni: {source} streams no codec chunks (async_chunk and a connector with "
+                         "codec_chunk_frames), so a chunk ramp cannot apply; run with no ramp "
+                         "(--omni-chunk-ramp none)")
+    for extra in chunked:
+        steady = int(extra["codec_chunk_frames"])
+        extra["codec_chunk_ramp"] = [min(int(n), steady) for n in ramp] + [steady]
+
+
+async def audio_chunks(omni: Any, prompt: Any, request_id: str,
+                       sampling: list[Any]) -> AsyncGenerator[tuple[Any, Any], None]:
+    """Each non-empty audio chunk of one vllm-omni request once (vllm-omni may repeat earlier chunks in a
+    growing list), as (the output that carried it, flat float32 samples). Closing it aborts the request in
+    every stage; callers close it (`contextlib.aclosing`) when they stop early."""
+    sent = 0
+    stream = omni_compat.generate(omni, prompt, request_id, sampling)
+    async with contextlib.aclosing(cast(AsyncGenerator[Any, None], stream)) as outputs:
+        async for output in outputs:
+            audio = omni_compat.audio_of(output)
+            chunks = audio if isinstance(audio, list) else ([] if audio is None else [audio])
+            if isinstance(audio, list):
+                chunks, sent = audio[sent:], len(audio)
+            for chunk in chunks:
+                samples = _float_audio(chunk)
+                if len(samples):
+                    yield output, samples
+
+
+async def shut_down(omni: Any, deploy_file: str | None, stage_config: str | None) -> None:
+    """Stop a started pipeline (`omni`; None when it never started) and remove the deploy YAML the engine
+    wrote for it (`deploy_file`, unless it is the user's own `stage_config`)."""
+    if omni is not None:
+        omni.shutdown()
+    if deploy_file is not None and deploy_file != stage_config:
+        await asyncio.to_thread(Path(deploy_file).unlink, missing_ok=True)
+
+
+def written_deploy_config(deploy: dict[str, Any]) -> str:
+    """`deploy` written to a new temporary YAML file; its path (the engine removes it at `close`)."""
+    import yaml
+
+    fd, path = tempfile.mkstemp(prefix="voicewire-omni-", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(deploy, f)
+    return path
+
+
+def _float_audio(chunk: Any) -> Any:
+    """A chunk as a flat float32 array in [-1, 1] (vllm-omni yields torch tensors)."""
+    if hasattr(chunk, "detach"):
+        chunk = chunk.detach().to("cpu").float().numpy()
+    return np.clip(np.asarray(chunk, dtype=np.float32).reshape(-1), -1.0, 1.0)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"omni: {path} is missing (--model must be a model folder)")
+    return cast(dict[str, Any], json.loads(path.read_text()))
+

@@ -1,0 +1,523 @@
+"""vllm-omni's own speech server against voicewire's `omni` engine: the same vllm-omni pipeline, the same
+model folder and stage config, the same clients (issue 13).
+
+Two servers, each its own process tree, started together (or one after the other with `--sequential`):
+- **vllm-omni**: its OpenAI-compatible server, `python -m vllm_omni.entrypoints.cli.main serve MODEL --omni
+  --deploy-config YAML` (what the `vllm-omni serve` / `vllm serve --omni` commands run): WebSocket
+  `/v1/audio/speech/stream`, REST `/v1/audio/speech`;
+- **voicewire**: `python -m voicewire.realtime serve --engine omni --model MODEL --stage-config YAML`, the
+  same endpoints.
+
+The model is a Qwen3-TTS 12 Hz CustomVoice folder written here with random weights (`load_format: dummy`
+on every stage): tiny on the CPU (`--shape tiny`), the released 1.7B shapes on a GPU (`--shape 1.7b`).
+Both servers must produce exactly `--frames` codec frames per request: the folder's talker has no codec
+stop token (`codec_eos_token_id` -1, so vllm-omni's codec mask never lets it be sampled), and every request
+asks for `max_new_tokens` = `--frames`. The stage config starts from `--deploy-config` (default:
+voicewire's CPU config on a CPU build, vllm-omni's own `deploy/qwen3_tts.yaml` on a GPU) and the bench
+changes only what it must: dummy weights, `max_num_seqs` >= the highest concurrency, and on a GPU each
+stage's memory share (`--gpu-share`, `--kv-cache-gib`) so that both servers fit on one GPU at once.
+Connector, chunk and sampling settings stay as given.
+
+The WebSocket clients and the REST clients run in a process of their own (spawned), each session from its
+own loopback address (voicewire caps sessions per address). Per concurrency C and round, C sessions at
+once, on each server in turn:
+- **ws**: each session sends `session.config` (pcm, `stream_audio`, `split_granularity`, voice, seed,
+  `max_new_tokens`) and the text; once every session has, and after a short settle, all send `input.done`;
+  TTFA runs from sending `input.done` to the first binary frame;
+- **rest**: each sends `POST /v1/audio/speech` (pcm, `stream_format: "audio"`, the same fields); TTFA runs
+  from sending the request to the first body byte.
+Stalls are counted as a player that starts at the first audio byte hears them (`workload.play`); audio
+seconds per wall second are all streams' audio over the time from the first send to the last byte. Rounds
+go round 1 at every level, then round 2 at every level, and so on (a budget cut leaves every level with
+some rounds). A warm-up round precedes each level's first round on each server (every mode at the first
+level, so each path is warm; the first mode after that, so every batch shape is).
+
+Report: per mode, concurrency and server, median [min-max] over rounds of TTFA p50 and p95, streams with a
+stall and total stall seconds (every round listed), audio seconds per wall second and audio seconds per
+stream (which must be equal on both servers); then the ratio voicewire / vllm-omni of each median.
+`--out DIR` writes `omni_duel.json` after every level, so a run cut short keeps what it measured, and
+`--budget-s` skips the levels that would not finish in time.
+
+Run from the repository root with a Python that has vllm-omni and voicewire's omni engine:
+`python -m bench.omni_duel --shape tiny --concurrency 1,2 --rounds 1 --frames 25` on the CPU (two engine
+starts, a few minutes on 2 cores); docs/benchmarks.md ("vllm-omni's server against voicewire") has the GPU
+command and the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, Final, cast
+
+import aiohttp
+from voicewire.protocol.segmenter import Segmenter
+
+from bench.workload import Stream, percentile, play, spread, table
+from tests.server import free_port
+
+TEXT: Final = ("Your flight to Tokyo departs from gate B twelve at noon and boarding begins forty minutes earlier "
+               "so please have your passport and boarding pass ready.")
+"""What every session says; its length sets the prompt, `--frames` the audio. One sentence without a
+clause break: voicewire's REST route speaks each sentence unit (and a fast first clause) as its own engine
+request, each with `max_new_tokens` frames, so only a text that is one unit gets the same audio as
+vllm-omni's one request (`main` checks it with voicewire's segmenter)."""
+VOICE: Final = "vivian"
+SERVERS: Final = ("vllm-omni", "voicewire")
+MODES: Final = ("ws", "rest")
+SETTLE_S: Final = 0.3
+"""Pause between the last session's config and `input.done`, so both servers have taken every config."""
+
+TALKER_1_7B: Final[dict[str, Any]] = {
+    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "head_dim": 128, "text_hidden_size": 2048,
+    "rope_scaling": {"interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default", "type": "default"},
+}
+"""The released Qwen3-TTS-12Hz-1.7B talker's sizes (config.json, `talker_config`)."""
+CODE_PREDICTOR_1_7B: Final[dict[str, Any]] = {
+    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 5, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "head_dim": 128, "layer_types": ["full_attention"] * 5,
+}
+CODEC_ENCODER_12HZ: Final[dict[str, Any]] = {
+    "codebook_dim": 256, "hidden_size": 512, "vector_quantization_hidden_dimension": 256, "intermediate_size": 2048,
+    "upsample_groups": 512,
+}
+CODEC_DECODER_12HZ: Final[dict[str, Any]] = {
+    "codebook_dim": 512, "hidden_size": 512, "head_dim": 64, "latent_dim": 1024, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "intermediate_size": 1024, "num_hidden_layers": 8, "decoder_dim": 1536,
+}
+"""The released 12 Hz speech tokenizer's sizes (speech_tokenizer/config.json)."""
+
+
+# -- model folder and stage config --------------------------------------------------------------------
+
+def write_model(folder: Path, shape: str) -> Path:
+    """A random-weight Qwen3-TTS CustomVoice folder: voicewire's tiny test model, or (`1.7b`) the same
+    folder with the released 1.7B model's widths and depths; either way without a codec stop token, so
+    that every request runs to its `max_new_tokens`."""
+    from voicewire.adapters.omni_testing import write_qwen3_tts
+
+    write_qwen3_tts(folder, "custom_voice")
+    config = json.loads((folder / "config.json").read_text())
+    config["talker_config"]["codec_eos_token_id"] = -1
+    if shape == "tiny":
+        (folder / "config.json").write_text(json.dumps(config, indent=1))
+        return folder
+    config["tts_model_size"] = "1b7"
+    config["talker_config"].update(TALKER_1_7B)
+    config["talker_config"]["code_predictor_config"].update(CODE_PREDICTOR_1_7B)
+    config["speaker_encoder_config"] = {"enc_dim": TALKER_1_7B["hidden_size"], "sample_rate": 24000}
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    codec_path = folder / "speech_tokenizer" / "config.json"
+    codec = json.loads(codec_path.read_text())
+    encoder = {k: v for k, v in codec["encoder_config"].items()
+               if k not in ("num_filters", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                            "head_dim")}
+    codec["encoder_config"] = {**encoder, **CODEC_ENCODER_12HZ}
+    codec["decoder_config"].update(CODEC_DECODER_12HZ)
+    codec_path.write_text(json.dumps(codec, indent=1))
+    return folder
+
+
+def default_deploy_config() -> Path:
+    """vllm-omni's own Qwen3-TTS deploy YAML on a GPU; voicewire's CPU stage config on vLLM's CPU build."""
+    if _cuda():
+        import vllm_omni
+
+        return Path(str(vllm_omni.__file__)).resolve().parent / "deploy" / "qwen3_tts.yaml"
+    from voicewire.adapters.omni import CPU_STAGE_CONFIGS
+
+    return Path(CPU_STAGE_CONFIGS["qwen3_tts"])
+
+
+def write_deploy_config(base: Path, out: Path, *, max_num_seqs: int, gpu_share: float | None,
+                        kv_cache_gib: float | None) -> Path:
+    """`base` with what the duel needs (see the module doc); connectors and chunk settings untouched."""
+    import yaml
+
+    deploy = cast(dict[str, Any], yaml.safe_load(base.read_text()))
+    for stage in deploy["stages"]:
+        stage["load_format"] = "dummy"
+        stage["max_num_seqs"] = max(int(stage.get("max_num_seqs") or 0), max_num_seqs)
+        if gpu_share is not None:
+            stage["gpu_memory_utilization"] = gpu_share
+        if kv_cache_gib is not None:
+            stage["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    out.write_text(yaml.safe_dump(deploy, sort_keys=False))
+    return out
+
+
+def sample_rate(model: Path) -> int:
+    return int(json.loads((model / "speech_tokenizer" / "config.json").read_text())["output_sample_rate"])
+
+
+# -- servers --------------------------------------------------------------------------------------------
+
+class Server:
+    """One server's process tree (its own process group, so its stage processes stop with it), its log in
+    `log_dir`, vLLM's compile cache in `cache_dir`, on a free loopback port."""
+
+    def __init__(self, name: str, model: Path, deploy: Path, log_dir: Path, cache_dir: Path, concurrency: int) -> None:
+        self.name = name
+        self.port = free_port()
+        if name == "vllm-omni":
+            command = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", str(model), "--omni",
+                       "--deploy-config", str(deploy), "--host", "127.0.0.1", "--port", str(self.port)]
+            self.ready_path = self.failed_path = "/health"
+        else:
+            sessions = str(4 * concurrency + 16)
+            command = [sys.executable, "-m", "voicewire.realtime", "serve", "--engine", "omni", "--model", str(model),
+                       "--stage-config", str(deploy), "--omni-max-concurrency", str(concurrency),
+                       "--host", "127.0.0.1", "--port", str(self.port), "--max-sessions", sessions,
+                       "--admission-utilization", "0", "--no-auth", "--log-level", "WARNING"]
+            self.ready_path, self.failed_path = "/ready", "/health"
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("wb")
+        env = {**os.environ, "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"),
+               "VLLM_CACHE_ROOT": str(cache_dir / f"vllm-cache-{name}")}  # no two compilers share a cache
+        self.began = time.perf_counter()
+        # a process group of its own (not a session: a machine that ends leftover sessions' processes still can)
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env, process_group=0)
+        self.ready_s: float | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, mode: str) -> str:
+        """The WebSocket (`ws`) or REST (`rest`) speech endpoint."""
+        if mode == "ws":
+            return f"ws://127.0.0.1:{self.port}/v1/audio/speech/stream"
+        return f"{self.http_url}/v1/audio/speech"
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Until the server is ready; raise if it exits, reports a failed engine start (voicewire's `/health`
+        answers 500) or is not ready within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        probe = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log: {self.log_path}")
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with http.get(self.http_url + self.ready_path, timeout=probe) as response:
+                        if response.status == 200:
+                            self.ready_s = time.perf_counter() - self.began
+                            return
+                    async with http.get(self.http_url + self.failed_path, timeout=probe) as response:
+                        if response.status == 500:
+                            raise RuntimeError(f"{self.name} failed to start: {(await response.text())[:500]}; "
+                                               f"log: {self.log_path}")
+                await asyncio.sleep(1.0)
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s; log: {self.log_path}")
+
+    def terminate(self) -> None:
+        """SIGTERM to the server's process group (`stop_all` finishes the job)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL to what is left of the server's process group; reap it; close its log."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self._log.close()
+
+
+def stop_all(servers: Sequence[Server], grace_s: float = 10.0) -> None:
+    """SIGTERM to every server at once, then SIGKILL to each group after `grace_s` seconds at most."""
+    for server in servers:
+        server.terminate()
+    deadline = time.monotonic() + grace_s
+    for server in servers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.proc.wait(max(0.0, deadline - time.monotonic()))
+        server.kill()
+
+
+# -- clients (their own process) ------------------------------------------------------------------------
+
+Arrivals = list[tuple[float, int]]
+"""(arrival time, bytes) of each piece of one stream's pcm16 audio."""
+
+
+def run_clients(mode: str, url: str, concurrency: int, fields: dict[str, Any], text: str,
+                seed0: int) -> list[tuple[float, Arrivals, str | None]]:
+    """C streams at once (seeds `seed0 + i`): per stream (time its request was complete, arrivals, error)."""
+    runner = _ws_clients if mode == "ws" else _rest_clients
+    return asyncio.run(runner(url, concurrency, fields, text, seed0))
+
+
+def _source(index: int) -> str:
+    return f"127.0.{1 + index // 250}.{1 + index % 250}"
+
+
+async def _ws_clients(url: str, concurrency: int, fields: dict[str, Any], text: str,
+                      seed0: int) -> list[tuple[float, Arrivals, str | None]]:
+    import websockets
+
+    ready = asyncio.Event()
+    configured: list[int] = []
+
+    async def one(index: int) -> tuple[float, Arrivals, str | None]:
+        async with websockets.connect(url, max_size=None, compression=None, ping_interval=None,
+                                      local_addr=(_source(index), 0), open_timeout=60) as ws:
+            config = {"type": "session.config", **fields, "stream_audio": True, "seed": seed0 + index}
+            await ws.send(json.dumps(config))
+            await ws.send(json.dumps({"type": "input.text", "text": text}))
+            configured.append(index)
+            if len(configured) == concurrency:
+                await asyncio.sleep(SETTLE_S)
+                ready.set()
+            await ready.wait()
+            sent = time.perf_counter()
+            await ws.send(json.dumps({"type": "input.done"}))
+            arrivals: Arrivals = []
+            while True:
+                frame = await ws.recv()
+                if isinstance(frame, bytes):
+                    arrivals.append((time.perf_counter(), len(frame)))
+                    continue
+                message = json.loads(frame)
+                if message["type"] == "error":
+                    return sent, arrivals, str(message.get("message") or message)
+                if message["type"] == "session.done":
+                    return sent, arrivals, None
+
+    return list(await asyncio.gather(*(one(i) for i in range(concurrency))))
+
+
+async def _rest_clients(url: str, concurrency: int, fields: dict[str, Any], text: str,
+                        seed0: int) -> list[tuple[float, Arrivals, str | None]]:
+    async def one(index: int) -> tuple[float, Arrivals, str | None]:
+        body = {"input": text, **fields, "stream_format": "audio", "seed": seed0 + index}
+        connector = aiohttp.TCPConnector(local_addr=(_source(index), 0), force_close=True)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
+            sent = time.perf_counter()
+            async with http.post(url, json=body) as response:
+                if response.status != 200:
+                    return sent, [], f"HTTP {response.status}: {(await response.text())[:300]}"
+                arrivals: Arrivals = []
+                async for data in response.content.iter_any():
+                    arrivals.append((time.perf_counter(), len(data)))
+                return sent, arrivals, None
+
+    return list(await asyncio.gather(*(one(i) for i in range(concurrency))))
+
+
+def pcm_samples(arrivals: Arrivals) -> list[tuple[float, int]]:
+    """pcm16 arrivals as (time, whole samples completed by that piece); pieces may split a sample."""
+    out, total = [], 0
+    for at, size in arrivals:
+        before = total // 2
+        total += size
+        if total // 2 > before:
+            out.append((at, total // 2 - before))
+    return out
+
+
+# -- measurement ----------------------------------------------------------------------------------------
+
+def measure(got: list[tuple[float, Arrivals, str | None]], rate: int) -> dict[str, Any]:
+    """One round's figures from its streams (`play`); a stream with an error or no audio counts as failed."""
+    streams: list[Stream] = []
+    errors = []
+    for sent, arrivals, error in got:
+        samples = pcm_samples(arrivals)
+        if error is not None or not samples:
+            errors.append(error or "no audio")
+            continue
+        streams.append(play(sent, samples, rate))
+    first = min(sent for sent, _, _ in got)
+    last = max((arrivals[-1][0] for _, arrivals, _ in got if arrivals), default=first)
+    return {"ttfa_ms": [s.ttfa_ms for s in streams], "stall_s": [s.stall_s for s in streams],
+            "stalls": [s.stalls for s in streams], "audio_s": [s.audio_s for s in streams],
+            "rtf": [s.rtf for s in streams], "errors": errors,
+            "audio_s_per_wall_s": sum(s.audio_s for s in streams) / max(last - first, 1e-9)}
+
+
+def figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-round summary values of one (mode, level, server)."""
+    return {
+        "ttfa_p50": [percentile(r["ttfa_ms"], 50) for r in rounds],
+        "ttfa_p95": [percentile(r["ttfa_ms"], 95) for r in rounds],
+        "stalled": [sum(1 for n in r["stalls"] if n) for r in rounds],
+        "stall_s": [sum(r["stall_s"]) for r in rounds],
+        "audio_s_per_wall_s": [r["audio_s_per_wall_s"] for r in rounds],
+        "audio_s": [percentile(r["audio_s"], 50) for r in rounds],
+        "errors": [len(r["errors"]) for r in rounds],
+    }
+
+
+def report(results: dict[str, Any], servers: Sequence[str]) -> str:
+    """The per-server table and, with both servers, the ratio table."""
+    lines = []
+    rows, ratios = [], []
+    for mode in MODES:
+        for level in results["levels"]:
+            conc = level["concurrency"]
+            per = {name: figures(level["rounds"][mode][name]) for name in servers if level["rounds"][mode].get(name)}
+            for name, f in per.items():
+                n = len(f["ttfa_p50"])
+                rows.append([mode, conc, name, n, spread(f["ttfa_p50"]), spread(f["ttfa_p95"]),
+                             " ".join(f"{s}/{conc}" for s in f["stalled"]),
+                             " ".join(f"{s:.2f}" for s in f["stall_s"]), spread(f["audio_s_per_wall_s"], "{:.1f}"),
+                             spread(f["audio_s"], "{:.2f}"), sum(f["errors"])])
+            if len(per) == 2:
+                ours, theirs = per["voicewire"], per["vllm-omni"]
+                ratios.append([mode, conc, *(_ratio(ours[key], theirs[key]) for key in
+                                             ("ttfa_p50", "ttfa_p95", "stalled", "stall_s", "audio_s_per_wall_s"))])
+    lines.append("per server: median [min-max] over rounds; stalls and stall seconds listed per round")
+    lines.append(table(["mode", "conc", "server", "rounds", "TTFA p50 ms", "TTFA p95 ms", "streams with a stall",
+                        "total stall s", "audio s per wall s", "audio s per stream", "errors"], rows))
+    if ratios:
+        lines.append("")
+        lines.append("voicewire / vllm-omni, ratio of the medians over rounds (below 1: voicewire lower)")
+        lines.append(table(["mode", "conc", "TTFA p50", "TTFA p95", "streams with a stall", "total stall s",
+                            "audio s per wall s"], ratios))
+    return "\n".join(lines)
+
+
+def _ratio(ours: list[float], theirs: list[float]) -> str:
+    a, b = statistics.median(ours), statistics.median(theirs)
+    if b == 0:
+        return "-" if a == 0 else "inf"
+    return f"{a / b:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--shape", choices=("tiny", "1.7b"), default="tiny")
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per level, mode and server")
+    parser.add_argument("--frames", type=int, default=150, help="codec frames per request (80 ms each), forced")
+    parser.add_argument("--servers", default=",".join(SERVERS), help="which servers, comma-separated")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--split-granularity", default="none")
+    parser.add_argument("--deploy-config", type=Path, default=None,
+                        help="base stage config (default: vllm-omni's own on a GPU, voicewire's CPU one on a CPU)")
+    parser.add_argument("--gpu-share", type=float, default=None,
+                        help="gpu_memory_utilization of every stage (both servers' four stages share one GPU)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="fixed KV cache per stage (skips vLLM's memory profiling, which concurrent starts upset)")
+    parser.add_argument("--sequential", action="store_true", help="start and measure one server after the other")
+    parser.add_argument("--start-timeout", type=float, default=900.0)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no round once this many seconds have passed since the bench began")
+    parser.add_argument("--out", type=Path, default=None, help="folder for omni_duel.json and the server logs")
+    args = parser.parse_args(argv)
+    began = time.perf_counter()
+    segmenter = Segmenter("sentence")
+    if len([*segmenter.push(TEXT, 0.0), *segmenter.flush()]) != 1:
+        parser.error("TEXT must be one sentence unit for voicewire's REST route (see TEXT)")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    servers = [s for s in args.servers.split(",") if s]
+    modes = [m for m in args.modes.split(",") if m]
+    if not set(servers) <= set(SERVERS) or not set(modes) <= set(MODES):
+        parser.error(f"--servers from {', '.join(SERVERS)}, --modes from {', '.join(MODES)}")
+    root = Path(tempfile.mkdtemp(prefix="omni-duel-"))
+    logs = args.out or root
+    logs.mkdir(parents=True, exist_ok=True)
+    model = write_model(root / "model", args.shape)
+    base = args.deploy_config or default_deploy_config()
+    deploy = write_deploy_config(base, root / "deploy.yaml", max_num_seqs=max(levels),
+                                 gpu_share=args.gpu_share, kv_cache_gib=args.kv_cache_gib)
+    rate = sample_rate(model)
+    fields = {"voice": VOICE, "response_format": "pcm", "max_new_tokens": args.frames}
+    results: dict[str, Any] = {"shape": args.shape, "frames": args.frames, "text_chars": len(TEXT), "rate": rate,
+                               "deploy_base": str(base), "deploy": deploy.read_text(), "levels": [], "servers": {}}
+    print(f"model {args.shape} at {model}; stage config {base} -> {deploy}", flush=True)
+    groups = [[name] for name in servers] if args.sequential else [servers]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: stop the servers, print what ran
+    try:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+            for group in groups:
+                started = {name: Server(name, model, deploy, logs, root, max(levels)) for name in group}
+                try:
+                    running = start(started, args.start_timeout, results)
+                    duel(clients, running, levels, modes, args, fields, rate, results, began)
+                finally:
+                    stop_all(list(started.values()))
+    finally:
+        if args.out is not None:
+            (args.out / "omni_duel.json").write_text(json.dumps(results, indent=1))
+        print(report(results, servers), flush=True)
+    return 0
+
+
+def start(started: dict[str, Server], timeout: float, results: dict[str, Any]) -> dict[str, Server]:
+    """Wait for the servers started together; those that fail are reported and left out."""
+    outcomes = asyncio.run(_all_ready(list(started.values()), timeout))
+    running = {}
+    for (name, server), outcome in zip(started.items(), outcomes, strict=True):
+        if isinstance(outcome, BaseException):
+            results["servers"][name] = {"error": str(outcome), "log": str(server.log_path)}
+            print(f"{name} did not start: {outcome}", flush=True)
+            continue
+        results["servers"][name] = {"ready_s": server.ready_s, "log": str(server.log_path)}
+        print(f"{name} ready in {server.ready_s:.0f} s", flush=True)
+        running[name] = server
+    return running
+
+
+def duel(clients: ProcessPoolExecutor, running: dict[str, Server], levels: list[int], modes: list[str],
+         args: argparse.Namespace, fields: dict[str, Any], rate: int, results: dict[str, Any], began: float) -> None:
+    """Round 1 at every level, then round 2 at every level, and so on, so a budget cut leaves every level
+    measured; a level's first visit starts with its warm-up. Within a round: each mode, the servers in turn."""
+    by_conc = {level["concurrency"]: level for level in results["levels"]}
+    wire = {"ws": {**fields, "split_granularity": args.split_granularity}, "rest": fields}
+    for round_ in range(args.rounds):
+        for number, conc in enumerate(levels):
+            if args.budget_s is not None and time.perf_counter() - began > args.budget_s:
+                print(f"budget spent: stopped before round {round_ + 1} at concurrency {conc}", flush=True)
+                return
+            level = by_conc.setdefault(conc, {"concurrency": conc, "rounds": {m: {} for m in MODES}})
+            if level not in results["levels"]:
+                results["levels"].append(level)
+            if round_ == 0:
+                for mode in modes if number == 0 else modes[:1]:
+                    for server in running.values():
+                        clients.submit(run_clients, mode, server.url(mode), conc, wire[mode], TEXT, 0).result()
+            seed0 = 1000 * (args.rounds * number + round_ + 1)
+            for mode in modes:
+                for name, server in running.items():
+                    got = clients.submit(run_clients, mode, server.url(mode), conc, wire[mode], TEXT, seed0).result()
+                    measured = measure(got, rate)
+                    level["rounds"][mode].setdefault(name, []).append(measured)
+                    errors, ttfa = measured["errors"], percentile(measured["ttfa_ms"], 50)
+                    print(f"{mode} c={conc} r{round_ + 1} {name}: TTFA p50 {ttfa:.0f} ms, "
+                          f"{sum(1 for n in measured['stalls'] if n)}/{conc} stalled "
+                          f"({sum(measured['stall_s']):.2f} s), {measured['audio_s_per_wall_s']:.1f} audio s/s, "
+                          f"errors {len(errors)}{': ' + errors[0] if errors else ''}", flush=True)
+                    if args.out is not None:
+                        (args.out / "omni_duel.json").write_text(json.dumps(results, indent=1))
+
+
+async def _all_ready(servers: list[Server], timeout: float) -> list[BaseException | None]:
+    return await asyncio.gather(*(server.wait_ready(timeout) for server in servers), return_exceptions=True)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

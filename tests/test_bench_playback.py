@@ -1,0 +1,32 @@
+"""The benches' playback replay (`bench.workload.play`) and pcm16 byte counting (`bench.omni_duel`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.omni_duel import pcm_samples
+from bench.workload import play
+
+
+def test_a_stream_that_stays_ahead_of_playback_never_stalls() -> None:
+    # 0.1 s at 1000 Hz arrives at t=1.0; the next 0.2 s arrives at 1.05, before the first piece ends.
+    stream = play(0.9, [(1.0, 100), (1.05, 200), (1.2, 100)], 1000)
+    assert stream.ttfa_ms == pytest.approx(100.0)
+    assert stream.stalls == 0
+    assert stream.stall_s == 0.0
+    assert stream.audio_s == pytest.approx(0.4)
+
+
+def test_a_late_piece_is_a_stall_of_its_lateness_and_playback_resumes_from_it() -> None:
+    # The first 0.1 s ends at 1.1; the second arrives at 1.3 (0.2 s late) and plays until 1.4; the third
+    # arrives at 1.35, in time.
+    stream = play(1.0, [(1.0, 100), (1.3, 100), (1.35, 100)], 1000)
+    assert stream.stalls == 1
+    assert stream.stall_s == pytest.approx(0.2)
+    assert stream.stall_chunks == (1,)
+    assert stream.rtf == pytest.approx(0.35 / 0.3)
+
+
+def test_pcm16_pieces_that_split_a_sample_count_it_once_where_it_completes() -> None:
+    assert pcm_samples([(1.0, 3), (2.0, 1), (3.0, 1), (4.0, 4)]) == [(1.0, 1), (2.0, 1), (4.0, 2)]
+    assert sum(n for _, n in pcm_samples([(0.0, 1)] * 9)) == 4
