@@ -15,9 +15,11 @@ default), languages (`talker_config.codec_language_id`), sample rate (`speech_to
 
 One request per unit: the parameters vllm-omni's Qwen3-TTS talker reads (`additional_information`: text,
 task type, language, speaker, instruction, reference audio and text, x-vector mode, length limits), and a
-placeholder prompt whose length vllm-omni's prompt builder computes. The unit's first piece reports the
-reference-audio codec tokens in that prompt (`AudioPiece.input_audio_tokens`), counted by vllm-omni's own
-usage code: `ref_code_length` for in-context cloning, 0 otherwise. Closing the unit's iterator (cancel,
+placeholder prompt whose length vllm-omni's prompt builder computes. Usage as vllm-omni's server counts
+it (`AudioPiece.tokens`): the unit's first piece reports its text and instructions in the model's text
+tokenizer and the reference-audio codec tokens in the prompt (vllm-omni's own usage code:
+`ref_code_length` for in-context cloning, 0 otherwise); each piece the codec frames it holds (its samples
+at the codec's frame rate: the frames the talker generated). Closing the unit's iterator (cancel,
 disconnect, timeout) closes vllm-omni's stream, which aborts the request in every stage.
 
 Chunks: vllm-omni's talker hands its codec frames to the code2wav stage in chunks. As shipped, a unit's
@@ -55,11 +57,13 @@ from typing import Any, Final, cast
 import numpy as np
 from voicewire.adapters import omni_compat
 from voicewire.protocol.engine import (
+    NO_TOKENS,
     AudioPiece,
     EngineCapabilities,
     EngineInfo,
     EngineWorkerLost,
     SynthesisRequest,
+    TokenCounts,
     VoiceSample,
 )
 
@@ -179,7 +183,7 @@ class OmniEngine:
             name="omni", sample_rate=m.sample_rate, voices=voices, default_voice=voices[0], languages=m.languages,
             capabilities=EngineCapabilities(
                 word_timings=False, voice_cloning=m.task_type == "Base", speed_range=(1.0, 1.0), streaming="frame",
-                fields=frozenset(fields), values=values),
+                fields=frozenset(fields), values=values, counts_tokens=True),
             max_concurrency=config.max_concurrency)
         self._omni: Any = None
         self._tokenizer: Any = None
@@ -319,12 +323,26 @@ class OmniEngine:
         params = self.parameters(request)
         prompt = self._prompt(params)
         sampling = self._sampling_params(request, params)
-        rate = self.model.sample_rate
-        reference_tokens = omni_compat.qwen3_tts_reference_tokens(params)  # on the first piece, as usage
+        rate, frame_rate = self.model.sample_rate, self.model.frame_rate
+        first = TokenCounts(self._text_tokens(request), omni_compat.qwen3_tts_reference_tokens(params))
+        samples_so_far = frames_so_far = 0
         async with contextlib.aclosing(audio_chunks(omni, prompt, request.request_id, sampling)) as chunks:
-            async for _, samples in chunks:
-                yield AudioPiece(samples, rate, input_audio_tokens=reference_tokens)
-                reference_tokens = 0
+            async for output, samples in chunks:
+                # frames generated: the final output's count, else those decoded so far (the codec may
+                # hold back the last frame's audio; vllm-omni counts what the talker generated)
+                samples_so_far += len(samples)
+                generated = omni_compat.generated_tokens(output)
+                frames = round(samples_so_far * frame_rate / rate) if generated is None else generated
+                if len(samples) or frames > frames_so_far:
+                    yield AudioPiece(samples, rate, tokens=TokenCounts(
+                        first.text, first.audio, max(0, frames - frames_so_far)))
+                    frames_so_far, first = max(frames, frames_so_far), NO_TOKENS
+
+    def _text_tokens(self, request: SynthesisRequest) -> int:
+        """The unit's text and instructions in the model's text tokenizer, as vllm-omni's usage counts them."""
+        tokenizer = self._tokenizer
+        return sum(len(tokenizer(text, padding=False)["input_ids"])
+                   for text in (request.text, request.instructions) if text and text.strip())
 
     # -- start-up ------------------------------------------------------------------------------------
 
@@ -407,12 +425,15 @@ def _set_chunk_ramp(deploy: dict[str, Any], ramp: tuple[int, ...], source: str) 
 async def audio_chunks(omni: Any, prompt: Any, request_id: str,
                        sampling: list[Any]) -> AsyncGenerator[tuple[Any, Any], None]:
     """Each non-empty audio chunk of one vllm-omni request once (vllm-omni may repeat earlier chunks in a
-    growing list), as (the output that carried it, flat float32 samples). Closing it aborts the request in
-    every stage; callers close it (`contextlib.aclosing`) when they stop early."""
+    growing list), as (the output that carried it, flat float32 samples); then, if the request's last output
+    brought no new audio, that output with no samples (it carries the request's metrics). Closing it aborts
+    the request in every stage; callers close it (`contextlib.aclosing`) when they stop early."""
     sent = 0
+    last, last_sent = None, False
     stream = omni_compat.generate(omni, prompt, request_id, sampling)
     async with contextlib.aclosing(cast(AsyncGenerator[Any, None], stream)) as outputs:
         async for output in outputs:
+            last, last_sent = output, False
             audio = omni_compat.audio_of(output)
             chunks = audio if isinstance(audio, list) else ([] if audio is None else [audio])
             if isinstance(audio, list):
@@ -420,7 +441,10 @@ async def audio_chunks(omni: Any, prompt: Any, request_id: str,
             for chunk in chunks:
                 samples = _float_audio(chunk)
                 if len(samples):
+                    last_sent = True
                     yield output, samples
+    if last is not None and not last_sent:
+        yield last, np.zeros(0, np.float32)
 
 
 async def shut_down(omni: Any, deploy_file: str | None, stage_config: str | None) -> None:

@@ -206,6 +206,18 @@ def audio_of(output: Any) -> Any:
     return multimodal.get("audio")
 
 
+def generated_tokens(output: Any) -> int | None:
+    """The tokens (talker steps: codec frames) the pipeline generated for a request, from the per-stage
+    metrics vllm-omni puts on a request's final output (the largest `num_tokens_out`, as vllm-omni's speech
+    usage counts them); None on an output without them (every output before the final one)."""
+    metrics = getattr(output, "metrics", None)
+    stages = metrics.get("stage_metrics") if isinstance(metrics, dict) else None
+    if not isinstance(stages, dict):
+        return None
+    counts = [stage.get("num_tokens_out") for stage in stages.values() if isinstance(stage, dict)]
+    return max((n for n in counts if isinstance(n, int)), default=None)
+
+
 def sample_rate_of(output: Any) -> int | None:
     """The sample rate an output's audio comes at (vllm-omni reports it with each chunk), or None."""
     multimodal = getattr(output, "multimodal_output", None) or {}

@@ -222,6 +222,8 @@ class OmniAdapterEngine:
         rate = self._info.sample_rate
         async with contextlib.aclosing(audio_chunks(omni, prompt, request.request_id, sampling)) as chunks:
             async for output, samples in chunks:
+                if not len(samples):
+                    continue
                 output_rate = omni_compat.sample_rate_of(output)
                 if rate and output_rate and output_rate != rate:
                     raise RuntimeError(f"omni: {self.family.label} gave {output_rate} Hz audio, not the {rate} Hz "

@@ -61,12 +61,14 @@ import msgspec
 import numpy as np
 from voicewire.adapters.base import Engine, RequestCounts
 from voicewire.protocol.engine import (
+    NO_TOKENS,
     AudioPiece,
     EngineError,
     EngineInfo,
     EngineWorkerLost,
     FloatAudio,
     SynthesisRequest,
+    TokenCounts,
     WordSpan,
 )
 
@@ -200,7 +202,7 @@ class Piece(msgspec.Struct, frozen=True, tag=True):
     samples: int
     sample_rate: int
     words: tuple[WordSpan, ...]
-    input_audio_tokens: int = 0
+    tokens: TokenCounts = NO_TOKENS
 
 
 class Done(msgspec.Struct, frozen=True, tag=True):
@@ -588,7 +590,7 @@ class ProcessEngine:
                     raw = worker.conn.recv_bytes() if message.samples else b""
                     samples = np.frombuffer(raw, np.float32)
                     message = _Audio(message.rid, AudioPiece(samples, message.sample_rate, message.words,
-                                                                  message.input_audio_tokens))
+                                                                  message.tokens))
             except (EOFError, OSError):
                 break
             worker.last_heard = time.monotonic()
@@ -729,7 +731,7 @@ async def _serve_with(conn: Connection, send: Callable[[_Outgoing], None], build
             async with contextlib.aclosing(engine.synthesize(request)) as pieces:
                 async for piece in pieces:
                     samples = np.ascontiguousarray(piece.samples, np.float32)
-                    send((Piece(rid, len(samples), piece.sample_rate, piece.words, piece.input_audio_tokens), samples))
+                    send((Piece(rid, len(samples), piece.sample_rate, piece.words, piece.tokens), samples))
             send(Done(rid))
         except asyncio.CancelledError:
             pass

@@ -40,23 +40,40 @@ class WordSpan:
     end_sample: int
 
 
+class TokenCounts(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Usage an engine counts in its model's own units, for one piece of a unit (vllm-omni's usage split):
+    `text` the tokens of the unit's text and instructions in the model's text tokenizer and `audio` the
+    reference-audio codec tokens fed as voice-cloning conditioning, both once, on the unit's first piece;
+    `output` the tokens (codec frames) the model generated for this piece. `a + b` sums them.
+
+    `audio` is reported by every engine that feeds reference audio; `text` and `output` only by an engine
+    whose `EngineCapabilities.counts_tokens` is set (the others leave them 0, and usage falls back to
+    characters and audio time)."""
+
+    text: int = 0
+    audio: int = 0
+    output: int = 0
+
+    def __add__(self, other: TokenCounts) -> TokenCounts:
+        return TokenCounts(self.text + other.text, self.audio + other.audio, self.output + other.output)
+
+
+NO_TOKENS: Final = TokenCounts()
+
+
 @dataclass(frozen=True, slots=True)
 class AudioPiece:
     """A run of mono float32 samples in [-1, 1] at `sample_rate`, in playback order.
 
     `words` holds the spans whose audio ends inside this piece or earlier pieces of the same unit and
-    were not reported before; an engine without word timings leaves it empty.
-
-    `input_audio_tokens`: the reference-audio codec tokens the engine put into the model's prompt for the
-    unit (voice-cloning conditioning; vllm-omni's usage `input_token_details.audio_tokens`), reported
-    once, on the unit's first piece; 0 on the other pieces, and on every piece of an engine that feeds no
-    reference audio.
+    were not reported before; an engine without word timings leaves it empty. `tokens`: what the engine
+    counted for this piece (`TokenCounts`).
     """
 
     samples: FloatAudio
     sample_rate: int
     words: tuple[WordSpan, ...] = ()
-    input_audio_tokens: int = 0
+    tokens: TokenCounts = NO_TOKENS
 
 
 SPEED_MIN: Final = 0.25
@@ -172,6 +189,8 @@ class EngineCapabilities:
     """The optional `SpeechParams` fields the engine acts on, whatever their value (`seed`, ...)."""
     values: Mapping[str, tuple[object, ...]] = field(default_factory=lambda: dict(WHOLE_UNIT_VALUES))
     """Fields the engine honours with these values only (it always works that way)."""
+    counts_tokens: bool = False
+    """The engine reports its model's text and output tokens (`TokenCounts`); usage uses them."""
 
     def __post_init__(self) -> None:
         unknown = (self.fields | set(self.values)) - set(SPEECH_FIELDS)

@@ -18,11 +18,13 @@ import numpy as np
 from voicewire.protocol.audio import STREAMABLE_FORMATS, AudioFormat, StreamResampler, float_to_pcm16, time_stretch
 from voicewire.protocol.encoders import make_encoder
 from voicewire.protocol.engine import (
+    NO_TOKENS,
     AudioPiece,
     EngineInfo,
     FloatAudio,
     SpeechParams,
     SynthesisRequest,
+    TokenCounts,
     VoiceSample,
     WordSpan,
     speech_fields,
@@ -69,8 +71,8 @@ class RenderedPiece:
     samples: int
     words: list[tuple[int, int, float, float]] = field(default_factory=list)
     """(char_start, char_end, start_ms, end_ms) on the unit timeline, char offsets into the unit text."""
-    input_audio_tokens: int = 0
-    """The engine piece's `AudioPiece.input_audio_tokens` (usage), passed on even when `data` is held."""
+    tokens: TokenCounts = NO_TOKENS
+    """The engine piece's `AudioPiece.tokens` (usage), passed on even when `data` is held."""
 
 
 class UnitRenderer:
@@ -99,7 +101,7 @@ class UnitRenderer:
         if self.plan.stretch != 1.0:
             audio = time_stretch(audio, self.plan.native_rate, self.plan.stretch)
         audio = self._resampler.process(audio)
-        return self._emit(audio, words, piece.input_audio_tokens)
+        return self._emit(audio, words, piece.tokens)
 
     def finish(self) -> RenderedPiece:
         """The rest of the unit (for a non-streaming unit: the whole file and all its samples)."""
@@ -120,15 +122,15 @@ class UnitRenderer:
         self._encoder.close()
 
     def _emit(self, audio: FloatAudio, words: list[tuple[int, int, float, float]],
-              input_audio_tokens: int = 0) -> RenderedPiece:
+              tokens: TokenCounts = NO_TOKENS) -> RenderedPiece:
         self.output_samples += len(audio)
         data = self._encoder.encode(float_to_pcm16(audio))
         if not self.plan.stream:
             self._held.append(data)
             self._held_samples += len(audio)
-            return RenderedPiece(b"", 0, words, input_audio_tokens)
+            return RenderedPiece(b"", 0, words, tokens)
         self.output_bytes += len(data)
-        return RenderedPiece(data, len(audio), words, input_audio_tokens)
+        return RenderedPiece(data, len(audio), words, tokens)
 
     def _words(self, spans: tuple[WordSpan, ...]) -> list[tuple[int, int, float, float]]:
         scale = 1000.0 / (self.plan.native_rate * self.plan.stretch)

@@ -16,7 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
-from voicewire.protocol.engine import SpeechParams, SynthesisRequest, UnitTimeout, UnitTooLong, VoiceSample, failure_of
+from voicewire.protocol.engine import (
+    NO_TOKENS,
+    SpeechParams,
+    SynthesisRequest,
+    UnitTimeout,
+    UnitTooLong,
+    VoiceSample,
+    failure_of,
+)
 from voicewire.protocol.media import MediaError, data_url_bytes
 from voicewire.protocol.messages import EffectiveConfig, ProtocolError
 from voicewire.protocol.output import OutputMachine, UnitOutput
@@ -179,8 +187,8 @@ class UnitRuns:
         self.hold = False
         """While true, units the machine makes due wait instead of starting (a WebSocket session waiting
         for a resume: it finishes its units in flight and takes no new engine work)."""
-        self.input_audio_tokens = 0
-        """Reference-audio tokens the engine fed its model for the units so far (`AudioPiece`), usage."""
+        self.tokens = NO_TOKENS
+        """What the engine counted for the units so far (`AudioPiece.tokens`), usage."""
         self._request_id = request_id
         self._route = route
         self._wake = wake
@@ -216,7 +224,7 @@ class UnitRuns:
         output, wake = self.output, self._wake
 
         def sink(piece: RenderedPiece) -> None:
-            self.input_audio_tokens += piece.input_audio_tokens
+            self.tokens += piece.tokens
             output.piece(out, piece)
             wake()
 

@@ -28,7 +28,15 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 from voicewire.protocol.audio import STREAMABLE_FORMATS, codec_rate
 from voicewire.protocol.encoders import STREAMING_FORMATS, RestFormat, make_encoder
-from voicewire.protocol.engine import SpeechParams, UnitTooLong, VoiceSample, speech_fields, speech_params
+from voicewire.protocol.engine import (
+    NO_TOKENS,
+    SpeechParams,
+    TokenCounts,
+    UnitTooLong,
+    VoiceSample,
+    speech_fields,
+    speech_params,
+)
 from voicewire.protocol.messages import (
     SAMPLE_RATE_MAX,
     SAMPLE_RATE_MIN,
@@ -259,11 +267,13 @@ def split_units(text: str, max_unit_chars: int) -> tuple[TextUnit, ...]:
 
 @dataclass(slots=True)
 class Usage:
-    """Speech usage, vllm-omni's split of the input: `text_tokens` are characters of `input` plus
-    `instructions` (the unit OpenAI bills tts-1 by); `audio_tokens` the reference-audio codec tokens the
-    engine fed its model as voice-cloning conditioning, summed over the request's units (each unit is one
-    engine request and carries its reference; the engine reports them, `AudioPiece.input_audio_tokens`;
-    0 without a reference); output tokens 25 ms frames of audio."""
+    """Speech usage, vllm-omni's split of the input, summed over the request's units (each unit is one
+    engine request). From an engine that counts its model's tokens (`EngineCapabilities.counts_tokens`,
+    the omni engine's Qwen3-TTS): `text_tokens` the tokens of each unit's text and the instructions in the
+    model's text tokenizer, `output_tokens` the codec frames it generated, as vllm-omni's server counts
+    them. From another engine: `text_tokens` are characters of `input` plus `instructions` (the unit OpenAI
+    bills tts-1 by), `output_tokens` 25 ms frames of audio. `audio_tokens`, from every engine: the
+    reference-audio codec tokens fed as voice-cloning conditioning (0 without a reference)."""
 
     text_tokens: int
     audio_tokens: int
@@ -298,8 +308,8 @@ class SpeechSynthesis:
     started: float
     budget: AudioBudget | None = None
     samples: int = 0
-    input_audio_tokens: int = 0
-    """Reference-audio tokens the engine fed its model, every unit (`Usage.audio_tokens`)."""
+    tokens: TokenCounts = NO_TOKENS
+    """What the engine counted, every unit (`AudioPiece.tokens`; see `Usage`)."""
     words: list[WordTiming] = field(default_factory=list)
 
     @property
@@ -312,8 +322,11 @@ class SpeechSynthesis:
 
     @property
     def usage(self) -> Usage:
+        tokens = self.tokens
+        if self.ctx.facts.info.capabilities.counts_tokens:
+            return Usage(tokens.text, tokens.audio, tokens.output)
         text_tokens = len(self.plan.input) + len(self.plan.instructions or "")
-        return Usage(text_tokens, self.input_audio_tokens, math.ceil(self.audio_seconds * AUDIO_TOKENS_PER_SECOND))
+        return Usage(text_tokens, tokens.audio, math.ceil(self.audio_seconds * AUDIO_TOKENS_PER_SECOND))
 
     async def chunks(self) -> AsyncGenerator[bytes]:
         """The response body in the requested format, chunk by chunk as units are synthesized.
@@ -380,4 +393,4 @@ class SpeechSynthesis:
             output.close(announce=False)
             runs.settle()
             await runs.aclose()
-            self.input_audio_tokens = runs.input_audio_tokens
+            self.tokens = runs.tokens

@@ -32,6 +32,7 @@ from safetensors import safe_open
 
 pytest.importorskip("vllm_omni", reason="vllm-omni is not installed (extra omni-cpu, docs/engines.md)")
 
+from transformers import AutoTokenizer
 from voicewire.adapters import omni_compat
 from voicewire.adapters.omni import CPU_STAGE_CONFIGS, DEFAULT_CHUNK_RAMP, OmniConfig, OmniEngine, _float_audio
 from voicewire.adapters.omni_testing import SPEAKERS, ModelKind, write_qwen3_tts
@@ -403,9 +404,10 @@ def reference_tokens(seconds: float) -> int:
 
 
 @kind("base")
-async def test_usage_reports_the_reference_audio_tokens_the_engine_fed(omni_server: ServerThread) -> None:
-    """vllm-omni's usage split: `audio_tokens` are the reference's codec frames in the prompt, counted by
-    the engine for each unit (one engine request each); x-vector-only cloning prefills none."""
+async def test_usage_counts_tokens_as_vllm_omni_does(omni_server: ServerThread) -> None:
+    """vllm-omni's usage split, per unit (one engine request each): `text_tokens` the unit's text in the
+    model's own text tokenizer, `output_tokens` the codec frames the talker generated (the forced length),
+    `audio_tokens` the reference's codec frames in the prompt; x-vector-only cloning prefills none."""
     reference = base64.b64encode(reference_wav(1.5)).decode()
     fed = reference_tokens(1.5)
     request = SynthesisRequest(request_id="usage-probe", text="Hi.", voice="default", task_type="Base",
@@ -425,7 +427,13 @@ async def test_usage_reports_the_reference_audio_tokens_the_engine_fed(omni_serv
     assert sse.status_code == 200, sse.text
     done = json.loads([line for line in sse.text.splitlines() if line.startswith("data:")][-1][5:])
     assert done["type"] == "speech.audio.done"
-    assert done["usage"]["input_token_details"] == {"text_tokens": len(two), "audio_tokens": 2 * fed}
+    tokenizer = AutoTokenizer.from_pretrained(engine(omni_server).config.model)
+    units = ("One sentence here.", "And a second one.")
+    text_tokens = sum(len(tokenizer(unit)["input_ids"]) for unit in units)
+    assert 0 < text_tokens != len(two)
+    assert done["usage"] == {"input_tokens": text_tokens + 2 * fed, "output_tokens": sum(map(frames, units)),
+                             "total_tokens": text_tokens + 2 * fed + sum(map(frames, units)),
+                             "input_token_details": {"text_tokens": text_tokens, "audio_tokens": 2 * fed}}
     _, _, x_vector = await rest_wav(omni_server, input=text, stream=False, task_type="Base", ref_audio=reference,
                                     x_vector_only_mode=True)
     assert x_vector.status_code == 200, x_vector.text
