@@ -545,33 +545,45 @@ def stage_process(stage: int) -> psutil.Process:
 
 
 @kind("base")
-async def test_a_stage_that_dies_fails_the_work_in_flight_and_takes_the_server_out_of_rotation(
+async def test_a_talker_stage_that_dies_fails_the_work_in_flight_and_takes_the_server_out_of_rotation(
         omni_server: ServerThread) -> None:
-    """The talker stage's process is killed while a session speaks and a REST request is in flight: each
+    """The talker stage (0) dies while a cloning session speaks and a REST request is in flight."""
+    reference = "data:audio/wav;base64," + base64.b64encode(reference_wav()).decode()
+    await a_stage_dies(omni_server, 0, {"task_type": "Base", "ref_audio": reference, "x_vector_only_mode": True})
+
+
+@kind("custom_voice")
+async def test_a_code2wav_stage_that_dies_fails_the_work_in_flight_and_takes_the_server_out_of_rotation(
+        omni_server: ServerThread) -> None:
+    """The code2wav stage (1) dies while a session speaks and a REST request is in flight."""
+    await a_stage_dies(omni_server, 1, {"voice": "serena"})
+
+
+async def a_stage_dies(omni_server: ServerThread, stage: int, fields: dict[str, object]) -> None:
+    """Stage `stage`'s process is killed while a session speaks and a REST request is in flight: each
     gets a typed engine failure, the server stays up and answers (nothing hangs), `/ready` and `/health`
     say the engine is down, new work is refused with a 503, and no request or session is left behind."""
     eng, ctx = engine(omni_server), omni_server.ctx
-    reference = "data:audio/wav;base64," + base64.b64encode(reference_wav()).decode()
-    clone = {"task_type": "Base", "ref_audio": reference, "x_vector_only_mode": True}
-    long_text = "A unit long enough that both stages are still working when the talker goes away. " * 3
+    long_text = "A unit long enough that both stages are still working when one of them goes away. " * 3
+    label = f"Stage-{stage}"
     async with websockets.connect(omni_server.ws_url) as ws:
-        await configure(ws, response_format="pcm", stream_audio=True, **clone)
+        await configure(ws, response_format="pcm", stream_audio=True, **fields)
         await send(ws, {"type": "input.text", "text": long_text})
         await send(ws, {"type": "input.done"})
         await recv_until(ws, "audio.start", timeout=300)
         assert isinstance(await ws.recv(), bytes)
         rest = asyncio.create_task(post(omni_server, "/v1/audio/speech", json={
-            "input": long_text, "response_format": "wav", "stream": False, **clone}))
+            "input": long_text, "response_format": "wav", "stream": False, **fields}))
         async with asyncio.timeout(60):
             while eng.requests_in_flight() < 2:  # the REST unit reached the engine too
                 await asyncio.sleep(0.05)
-        talker = stage_process(0)
-        talker.kill()
-        talker.wait(30)
+        process = stage_process(stage)
+        process.kill()
+        process.wait(30)
         got = await recv_until(ws, "session.done", timeout=120)
         errors = got.of("error")
         assert errors and all(e["code"] == "generation_failed" and e["fatal"] is False for e in errors), errors
-        assert "pipeline is down" in errors[0]["message"] and "Stage-0" in errors[0]["message"]
+        assert "pipeline is down" in errors[0]["message"] and label in errors[0]["message"]
         assert got.of("audio.done")[0]["error"] is True
         failed = await rest
         assert failed.status_code == 500, failed.text
@@ -584,9 +596,9 @@ async def test_a_stage_that_dies_fails_the_work_in_flight_and_takes_the_server_o
         assert [e["code"] for e in again.of("error")] == ["generation_failed"]
     async with httpx.AsyncClient(base_url=omni_server.http_url, timeout=30) as client:
         ready, health = await client.get("/ready"), await client.get("/health")
-        refused = await client.post("/v1/audio/speech", json={"input": "Hello?", **clone})
-    assert ready.status_code == 503 and "Stage-0" in ready.json()["reason"]
-    assert health.status_code == 500 and "Stage-0" in health.json()["engine_error"]
+        refused = await client.post("/v1/audio/speech", json={"input": "Hello?", **fields})
+    assert ready.status_code == 503 and label in ready.json()["reason"]
+    assert health.status_code == 500 and label in health.json()["engine_error"]
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
     with pytest.raises(websockets.InvalidStatus) as turned_away:
         async with websockets.connect(omni_server.ws_url):
