@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -186,6 +187,31 @@ def test_pages_and_assets_keep_the_token_out_of_the_referer(secured: ServerThrea
     for path in ("/", "/clients/voicewire.js", "/health"):
         with urllib.request.urlopen(f"{secured.http_url}{path}?token={KEY}", timeout=10) as resp:
             assert resp.headers["Referrer-Policy"] == "no-referrer", path
+
+
+@pytest.mark.parametrize("name", ["token", "Token", "TOKEN", "%74oken", "t%6Fk%65n"])
+def test_the_access_log_redacts_a_token_in_the_request_line_and_the_referer_however_it_is_spelled(
+        secured: ServerThread, caplog: pytest.LogCaptureFixture, name: str) -> None:
+    """The access line of a request whose URL and `Referer` carry the key as a query parameter, spelled in
+    any case or percent-encoded, names the parameter with `REDACTED` in both places and holds no key."""
+    caplog.set_level(logging.INFO, logger="aiohttp.access")
+    referer = f"http://127.0.0.1:{secured.port}/?{name}={KEY}&lang=en"
+    request = urllib.request.Request(f"{secured.http_url}/v1/models?{name}={KEY}&page=2",
+                                     headers={"Referer": referer})
+    with pytest.raises(urllib.error.HTTPError) as refused:  # REST takes keys from the header only
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 401
+
+    def access_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "aiohttp.access" and "page=2" in r.getMessage()]
+
+    for _ in range(1000):  # aiohttp writes the line once the response is sent (a hang guard, not a measure)
+        if access_lines():
+            break
+        time.sleep(0.01)
+    (line,) = access_lines()
+    assert KEY not in caplog.text
+    assert line.count("=REDACTED") == 2 and "page=2" in line and "lang=en" in line, line
 
 
 def metric(srv: ServerThread, name: str, key: str) -> float:
