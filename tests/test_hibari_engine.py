@@ -250,11 +250,8 @@ def test_phonemizer_text_cuts_long_runs_and_maps_every_character_back(text: str)
     assert "".join(spoken[i] for i in kept) == text  # only spaces were inserted
 
 
-@pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_g2p_work_per_character_is_bounded_for_text_built_to_be_expensive(raw_hibari: Hibari, name: str) -> None:
-    """hibari's G2P tries every span of a whitespace-free run's sub-tokens against its lexicon (cubic): the
-    text it gets from us keeps the lexicon lookups to a constant per character (about 60 per character and
-    seconds of CPU for some of these as sent)."""
+def lexicon_calls(raw_hibari: Hibari, text: str) -> int:
+    """How many lexicon lookups hibari's G2P makes for `text` as our engine hands it over."""
     g2p = raw_hibari.g2p
     lexicon = g2p.lexicon
     calls = 0
@@ -264,14 +261,33 @@ def test_g2p_work_per_character_is_bounded_for_text_built_to_be_expensive(raw_hi
         calls += 1
         return lexicon(*args)
 
-    text = HOSTILE[name]
     try:
         g2p.lexicon = type("CountedLexicon", (), {"__call__": staticmethod(counted),
                                                   "__getattr__": lambda _self, attr: getattr(lexicon, attr)})()
         raw_hibari.phonemize(phonemizer_text(text)[0])
     finally:
         g2p.lexicon = lexicon
-    assert calls <= (MAX_TOKEN_CHARS // 2 + 4) * len(text)  # k sub-tokens in a run cost about k * k / 2
+    return calls
+
+
+G2P_CALLS_PER_CHAR = MAX_TOKEN_CHARS // 2 + 4
+"""k sub-tokens in a run cost about k * k / 2 lookups, and a run holds at most `MAX_TOKEN_CHARS`."""
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_g2p_work_per_character_is_bounded_for_text_built_to_be_expensive(raw_hibari: Hibari, name: str) -> None:
+    """hibari's G2P tries every span of a whitespace-free run's sub-tokens against its lexicon (cubic): the
+    text it gets from us keeps the lexicon lookups to a constant per character (about 60 per character and
+    seconds of CPU for some of these as sent)."""
+    text = HOSTILE[name]
+    assert lexicon_calls(raw_hibari, text) <= G2P_CALLS_PER_CHAR * len(text)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("aB1-/@.'_ ")), min_size=1, max_size=250))
+def test_g2p_work_per_character_is_bounded_for_any_unit_of_hostile_characters(raw_hibari: Hibari,
+                                                                              text: str) -> None:
+    assert lexicon_calls(raw_hibari, text) <= G2P_CALLS_PER_CHAR * len(text)
 
 
 async def test_a_run_of_100_digits_is_spoken(engine: HibariEngine) -> None:
