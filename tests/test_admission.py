@@ -13,6 +13,8 @@ from collections.abc import Iterator
 import pytest
 import websockets
 from voicewire.adapters.registry import create_engine
+from voicewire.realtime.admission import WINDOW_ENGINE_S, Admission
+from voicewire.realtime.metrics import Metrics
 from voicewire.realtime.settings import Settings
 from websockets.asyncio.client import ClientConnection
 
@@ -97,3 +99,14 @@ async def test_sessions_past_the_measured_capacity_are_refused_and_admitted_ones
     async with websockets.connect(srv.ws_url) as d:  # nobody speaks now: admitted again
         await speak(d, "Back to quiet.")
         assert (await recv_until(d, "session.done")).of("session.done")
+
+
+def test_an_idle_server_admits_one_session_whatever_speed_was_measured() -> None:
+    """Units that failed without audio (timeouts, a dead worker) measure a speed of 0: busy sessions are
+    refused beside them, but an idle server still admits one, or every session would stay locked out."""
+    metrics = Metrics()
+    admission = Admission(metrics, utilization=0.8)
+    metrics.engine_busy.inc(2 * WINDOW_ENGINE_S)  # engine time spent, no audio produced
+    assert admission.capacity(slots=2) == 0.0
+    assert admission.admits(speaking=0, slots=2)
+    assert not admission.admits(speaking=1, slots=2)
