@@ -228,7 +228,7 @@ async def test_a_stopped_worker_is_detected_killed_and_replaced_failing_only_its
 
 
 async def test_a_unit_past_its_deadline_whose_work_cannot_stop_gets_its_worker_replaced() -> None:
-    srv = ServerThread(Settings(unit_timeout_s=3.0),
+    srv = ServerThread(Settings(unit_timeout_s=6.0),  # room for a replacement on a loaded machine
                        engine=ProcessEngine("hibari", workers=1, build=fault_injecting_hibari, timings=QUICK))
     try:
         (burning,) = children()
@@ -238,7 +238,8 @@ async def test_a_unit_past_its_deadline_whose_work_cannot_stop_gets_its_worker_r
         await until(lambda: burning not in children())  # killed and reaped: its core is free
         await until(lambda: health(srv).live == 1)
         assert len(children()) == 1
-        assert ok(await speak(srv, "The replacement speaks."))
+        replaced = await speak(srv, "The replacement speaks.")
+        assert ok(replaced), [e for e in replaced if e["type"] in ("error", "audio.done")]
     finally:
         srv.stop()
 
