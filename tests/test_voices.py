@@ -49,6 +49,16 @@ def voice_server(voices_dir: Path) -> Iterator[ServerThread]:
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def refusing_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerThread, Path]]:
+    """One server and its (empty) voices directory, shared by the tests of uploads that must be refused:
+    each of them checks that the directory is still empty, so none can hide behind another's leftovers."""
+    directory = tmp_path_factory.mktemp("refusing") / "voices"
+    srv = ServerThread(settings_for(directory))
+    yield srv, directory
+    srv.stop()
+
+
 def upload(server: ServerThread, name: str, sample: bytes, *, consent: str = "consent-42",
            mime: str = "audio/wav", **extra: str) -> httpx.Response:
     return httpx.post(server.http_url + VOICES, files={"audio_sample": ("sample", sample, mime)},
@@ -124,7 +134,8 @@ MALICIOUS_NAMES = ["../evil", "..", "a/b", "a\\b", ".hidden", "/etc/passwd", "vo
 
 
 @pytest.mark.parametrize("name", MALICIOUS_NAMES)
-def test_a_bad_name_is_refused_and_leaves_nothing(voice_server: ServerThread, voices_dir: Path, name: str) -> None:
+def test_a_bad_name_is_refused_and_leaves_nothing(refusing_server: tuple[ServerThread, Path], name: str) -> None:
+    voice_server, voices_dir = refusing_server
     response = upload(voice_server, name, wav_bytes(2.0))
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "name"
@@ -139,8 +150,9 @@ def test_a_bad_name_is_refused_and_leaves_nothing(voice_server: ServerThread, vo
     ("too long", wav_bytes(31.0, 8000), 400, "invalid_audio_duration"),
     ("empty", b"", 400, "invalid_audio"),
 ])
-def test_a_bad_sample_is_refused_and_leaves_nothing(voice_server: ServerThread, voices_dir: Path, case: str,
+def test_a_bad_sample_is_refused_and_leaves_nothing(refusing_server: tuple[ServerThread, Path], case: str,
                                                     sample: bytes, status: int, code: str) -> None:
+    voice_server, voices_dir = refusing_server
     response = upload(voice_server, "fine_name", sample)
     assert response.status_code == status, case
     assert response.json()["error"]["param"] == "audio_sample"
@@ -149,7 +161,8 @@ def test_a_bad_sample_is_refused_and_leaves_nothing(voice_server: ServerThread, 
     assert httpx.get(voice_server.http_url + VOICES).json()["uploaded_voices"] == []
 
 
-def test_consent_and_a_free_name_are_required(voice_server: ServerThread, voices_dir: Path) -> None:
+def test_consent_and_a_free_name_are_required(refusing_server: tuple[ServerThread, Path]) -> None:
+    voice_server, voices_dir = refusing_server
     no_consent = upload(voice_server, "fine_name", wav_bytes(2.0), consent=" ")
     assert no_consent.status_code == 400 and no_consent.json()["error"]["param"] == "consent"
     alias = upload(voice_server, "Alloy", wav_bytes(2.0))
