@@ -35,13 +35,14 @@ level, so each path is warm; the first mode after that, so every batch shape is)
 Report: per mode, concurrency and server, median [min-max] over rounds of TTFA p50 and p95, streams with a
 stall and total stall seconds (every round listed), audio seconds per wall second and audio seconds per
 stream (which must be equal on both servers); then the ratio voicewire / vllm-omni of each median.
-`--out DIR` writes `omni_duel.json` after every level, so a run cut short keeps what it measured, and
-`--budget-s` skips the levels that would not finish in time.
+`--out DIR` writes `omni_duel.json` after every round, so a run cut short keeps what it measured, and
+`--budget-s` skips the rounds that would not finish in time. `--report A.json B.json` runs nothing and
+prints the joined report of saved runs (on the GPU machine, one device call per server: bench/gpu/README.md).
 
 Run from the repository root with a Python that has vllm-omni and voicewire's omni engine:
 `python -m bench.omni_duel --shape tiny --concurrency 1,2 --rounds 1 --frames 25` on the CPU (two engine
-starts, a few minutes on 2 cores); docs/benchmarks.md ("vllm-omni's server against voicewire") has the GPU
-command and the results.
+starts, a few minutes on 2 cores). On the GPU machine: bench/gpu/omni_duel.sh (bench/gpu/README.md has the
+device commands); results in docs/benchmarks.md ("vllm-omni's own server against voicewire").
 """
 
 from __future__ import annotations
@@ -392,6 +393,25 @@ def report(results: dict[str, Any], servers: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' `omni_duel.json` as one (say one device call per server): each (level, mode, server)'s
+    rounds joined, levels in order of concurrency. Raises ValueError for runs of different shapes or frames."""
+    if len({(part["shape"], part["frames"]) for part in parts}) > 1:
+        raise ValueError("the runs differ in --shape or --frames: " + ", ".join(
+            f"{part['shape']} x {part['frames']}" for part in parts))
+    by_conc: dict[int, dict[str, Any]] = {}
+    servers: dict[str, Any] = {}
+    for part in parts:
+        servers.update(part["servers"])
+        for level in part["levels"]:
+            into = by_conc.setdefault(level["concurrency"],
+                                      {"concurrency": level["concurrency"], "rounds": {m: {} for m in MODES}})
+            for mode, per_server in level["rounds"].items():
+                for name, rounds in per_server.items():
+                    into["rounds"].setdefault(mode, {}).setdefault(name, []).extend(rounds)
+    return {**parts[0], "levels": [by_conc[c] for c in sorted(by_conc)], "servers": servers}
+
+
 def _ratio(ours: list[float], theirs: list[float]) -> str:
     a, b = statistics.median(ours), statistics.median(theirs)
     if b == 0:
@@ -419,7 +439,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no round once this many seconds have passed since the bench began")
     parser.add_argument("--out", type=Path, default=None, help="folder for omni_duel.json and the server logs")
+    parser.add_argument("--report", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="run nothing: print the report of saved omni_duel.json files, joined (one per server)")
     args = parser.parse_args(argv)
+    if args.report is not None:
+        joined = merge([json.loads(path.read_text()) for path in args.report])
+        for name, server in joined["servers"].items():
+            print(f"{name}: " + (f"ready in {server['ready_s']:.0f} s" if "ready_s" in server
+                                 else f"did not start: {server.get('error')}"))
+        print(report(joined, [name for name in SERVERS if name in joined["servers"]]), flush=True)
+        return 0
     began = time.perf_counter()
     segmenter = Segmenter("sentence")
     if len([*segmenter.push(TEXT, 0.0), *segmenter.flush()]) != 1:
@@ -456,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             (args.out / "omni_duel.json").write_text(json.dumps(results, indent=1))
         print(report(results, servers), flush=True)
-    return 0
+    return 1 if any("error" in server for server in results["servers"].values()) else 0  # one did not start
 
 
 def start(started: dict[str, Server], timeout: float, results: dict[str, Any]) -> dict[str, Server]:

@@ -30,20 +30,24 @@ Beside it, the raw talker: the same units' token streams straight from the engin
 per-stream frame rate as a real-time factor. The ratio of the two TTFAs is what the serving path adds.
 
 Run from the repository root: `python -m bench.talker_gpu --out DIR` (see `--help`; `--shape tiny` runs the
-same path on the CPU in a few minutes). Results: docs/benchmarks.md, "Talker on GPU", which also gives the
-device command (payload and wheels carried, `av` stubbed).
+same path on the CPU in a few minutes). `--budget-s` starts no level or round past that many seconds, and
+a SIGTERM (`timeout`) still prints what ran. On the GPU machine: `bash bench/gpu/talker.sh` (payload,
+carry list and sizes in bench/gpu/README.md). Results: docs/benchmarks.md, "Talker on GPU".
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import multiprocessing
+import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -224,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-codec-graphs", action="store_true")
     parser.add_argument("--no-micro", action="store_true", help="skip the codec micro-benchmark")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per level (after one warm-up)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no level or round once this many seconds have passed since the bench began")
     args = parser.parse_args(argv)
+    bench_began = time.perf_counter()
     levels = [(int(c.split(":")[0]), int(c.split(":")[1]) if ":" in c else None)
               for c in args.concurrency.split(",")]
     top = max(c for c, _ in levels)
@@ -253,76 +260,113 @@ def main(argv: list[str] | None = None) -> int:
           f"{codec.dtype}, {codec.graph_shapes} CUDA graphs)", flush=True)
     results.update(engine_start_s=started_s, unit_frames=engine.unit_frames(TEXT), codec_dtype=codec.dtype,
                    codec_graphs=codec.graph_shapes)
-    rows, stage_rows, summary = [], [], []
+    rows: list[list[str]] = []
+    stage_rows: list[list[str]] = []
+    summary: list[list[Any]] = []
+
+    def spent(what: str) -> bool:
+        if args.budget_s is None or time.perf_counter() - bench_began <= args.budget_s:
+            return False
+        print(f"budget spent: stopped before {what}", flush=True)
+        return True
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: print what ran, then stop
+    try:
+        _levels(args, levels, engine, server, codec, results, rows, stage_rows, summary, spent)
+    finally:
+        _report(rows, stage_rows, summary)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "talker_gpu.json").write_text(json.dumps(results, indent=1))
+        server.stop()
+    return 0
+
+
+def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engine: TalkerEngine,
+            server: ServerThread, codec: Any, results: dict[str, Any], rows: list[list[str]],
+            stage_rows: list[list[str]], summary: list[list[Any]], spent: Callable[[str], bool]) -> None:
+    """Every level in turn: its warm-up round, then `--rounds` measured rounds, until the budget is spent."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
         for number, (conc, initial) in enumerate(levels):
             label = f"{conc}" if initial is None else f"{conc} (1st chunk {initial})"
+            if spent(f"concurrency {label}"):
+                return
             clients.submit(run_clients, server.ws_url, conc, WARM_TEXT, initial).result()
-            server.call(lambda c=conc: raw_talker(engine, c, WARM_TEXT, f"warm{c}"), timeout=600)
-            rounds = []
-            for round_ in range(args.rounds):
-                seed0 = 1000 * (args.rounds * number + round_ + 1)
-                before = engine.stats
-                engine.trace(True)
-                with GcPauses() as pauses:
-                    got = clients.submit(run_clients, server.ws_url, conc, TEXT, initial, seed0).result()["streams"]
-                trace = engine.trace(False)
-                after = engine.stats
-                raw = server.call(lambda c=conc, n=number, r=round_: raw_talker(engine, c, TEXT, f"m{n}r{r}"),
-                                  timeout=600)
-                streams = [play(sent, arrivals, SAMPLE_RATE) for sent, arrivals, _ in got]
-                first_sent = min(sent for sent, _, _ in got)
-                last_byte = max(arrivals[-1][0] for _, arrivals, _ in got)
-                split = stages(got, trace, seed0)
-                stall_at: dict[int, int] = {}
-                for st in streams:
-                    for index in st.stall_chunks:
-                        stall_at[index] = stall_at.get(index, 0) + 1
-                a, b = after.codec, before.codec
-                level = {
-                    "concurrency": conc, "initial_frames": initial, "round": round_,
-                    "ttfa_ms": [s.ttfa_ms for s in streams], "rtf": [s.rtf for s in streams],
-                    "stall_s": [s.stall_s for s in streams], "stalls": [s.stalls for s in streams],
-                    "stall_chunk_index": stall_at,
-                    "audio_s_per_wall_s": sum(s.audio_s for s in streams) / (last_byte - first_sent),
-                    "raw_first_frame_ms": [r[0] for r in raw], "raw_rtf": [r[1] for r in raw],
-                    "server_first_audio_ms": [f for _, _, f in got if f is not None],
-                    "stages_ms": split,
-                    "codec_batches": a.batches - b.batches, "codec_windows": a.windows - b.windows,
-                    "codec_decode_s": a.decode_s - b.decode_s, "codec_max_decode_ms": a.max_decode_ms,
-                    "codec_late_windows": a.late - b.late, "codec_max_batch": a.max_batch,
-                    "codec_fallbacks": codec.fallbacks, "peak_running": after.steps.peak_running,
-                    "gc_pauses_ms": pauses.ms,
-                }
-                results["levels"].append(level)
-                rounds.append(level)
-                ttfa, raw_first = level["ttfa_ms"], level["raw_first_frame_ms"]
-                stalled = [s for s in streams if s.stalls]
-                worst = max((s.stall_s for s in streams), default=0.0)
-                rows.append([f"{label} r{round_ + 1}", f"{percentile(ttfa, 50):.0f} / {percentile(ttfa, 95):.0f}",
-                             f"{percentile(raw_first, 50):.0f}",
-                             f"{percentile(ttfa, 50) / percentile(raw_first, 50):.2f}",
-                             f"{percentile(level['rtf'], 50):.3f}", f"{percentile(level['raw_rtf'], 50):.3f}",
-                             f"{len(stalled)} of {conc}",
-                             f"{sum(s.stall_s for s in streams):.2f} (max {1000 * worst:.0f} ms)",
-                             ",".join(f"#{k}:{v}" for k, v in sorted(stall_at.items())) or "-",
-                             f"{level['audio_s_per_wall_s']:.1f}",
-                             f"{level['codec_windows'] / max(level['codec_batches'], 1):.1f}",
-                             f"{1000 * level['codec_decode_s'] / max(level['codec_batches'], 1):.1f}",
-                             f"{len(pauses.ms)} (max {max(pauses.ms, default=0.0):.1f} ms)"])
-                stage_rows.append([f"{label} r{round_ + 1}",
-                                   *(f"{percentile(split[name], 50):.1f}" for name, _, _ in STAGES),
-                                   f"{percentile(level['server_first_audio_ms'], 50):.1f}"])
-            summary.append([label, len(rounds), spread([percentile(r["ttfa_ms"], 50) for r in rounds]),
-                            spread([percentile(r["ttfa_ms"], 95) for r in rounds]),
-                            spread([percentile(r["rtf"], 50) for r in rounds], "{:.3f}"),
-                            " ".join(str(sum(1 for n in r["stalls"] if n)) for r in rounds),
-                            " ".join(f"{sum(r['stall_s']):.2f}" for r in rounds),
-                            spread([r["audio_s_per_wall_s"] for r in rounds], "{:.1f}"),
-                            spread([percentile(r["stages_ms"]["client -> engine call"], 95) for r in rounds],
-                                   "{:.1f}")])
+            server.call(functools.partial(raw_talker, engine, conc, WARM_TEXT, f"warm{conc}"), timeout=600)
+            rounds: list[dict[str, Any]] = []
+            try:
+                for round_ in range(args.rounds):
+                    if round_ and spent(f"round {round_ + 1} at concurrency {label}"):
+                        break
+                    seed0 = 1000 * (args.rounds * number + round_ + 1)
+                    before = engine.stats
+                    engine.trace(True)
+                    with GcPauses() as pauses:
+                        got = clients.submit(run_clients, server.ws_url, conc, TEXT, initial, seed0).result()["streams"]
+                    trace = engine.trace(False)
+                    after = engine.stats
+                    raw = server.call(functools.partial(raw_talker, engine, conc, TEXT, f"m{number}r{round_}"),
+                                      timeout=600)
+                    streams = [play(sent, arrivals, SAMPLE_RATE) for sent, arrivals, _ in got]
+                    first_sent = min(sent for sent, _, _ in got)
+                    last_byte = max(arrivals[-1][0] for _, arrivals, _ in got)
+                    split = stages(got, trace, seed0)
+                    stall_at: dict[int, int] = {}
+                    for st in streams:
+                        for index in st.stall_chunks:
+                            stall_at[index] = stall_at.get(index, 0) + 1
+                    a, b = after.codec, before.codec
+                    level = {
+                        "concurrency": conc, "initial_frames": initial, "round": round_,
+                        "ttfa_ms": [s.ttfa_ms for s in streams], "rtf": [s.rtf for s in streams],
+                        "stall_s": [s.stall_s for s in streams], "stalls": [s.stalls for s in streams],
+                        "stall_chunk_index": stall_at,
+                        "audio_s_per_wall_s": sum(s.audio_s for s in streams) / (last_byte - first_sent),
+                        "raw_first_frame_ms": [r[0] for r in raw], "raw_rtf": [r[1] for r in raw],
+                        "server_first_audio_ms": [f for _, _, f in got if f is not None],
+                        "stages_ms": split,
+                        "codec_batches": a.batches - b.batches, "codec_windows": a.windows - b.windows,
+                        "codec_decode_s": a.decode_s - b.decode_s, "codec_max_decode_ms": a.max_decode_ms,
+                        "codec_late_windows": a.late - b.late, "codec_max_batch": a.max_batch,
+                        "codec_fallbacks": codec.fallbacks, "peak_running": after.steps.peak_running,
+                        "gc_pauses_ms": pauses.ms,
+                    }
+                    results["levels"].append(level)
+                    rounds.append(level)
+                    ttfa, raw_first = level["ttfa_ms"], level["raw_first_frame_ms"]
+                    stalled = [s for s in streams if s.stalls]
+                    worst = max((s.stall_s for s in streams), default=0.0)
+                    rows.append([f"{label} r{round_ + 1}", f"{percentile(ttfa, 50):.0f} / {percentile(ttfa, 95):.0f}",
+                                 f"{percentile(raw_first, 50):.0f}",
+                                 f"{percentile(ttfa, 50) / percentile(raw_first, 50):.2f}",
+                                 f"{percentile(level['rtf'], 50):.3f}", f"{percentile(level['raw_rtf'], 50):.3f}",
+                                 f"{len(stalled)} of {conc}",
+                                 f"{sum(s.stall_s for s in streams):.2f} (max {1000 * worst:.0f} ms)",
+                                 ",".join(f"#{k}:{v}" for k, v in sorted(stall_at.items())) or "-",
+                                 f"{level['audio_s_per_wall_s']:.1f}",
+                                 f"{level['codec_windows'] / max(level['codec_batches'], 1):.1f}",
+                                 f"{1000 * level['codec_decode_s'] / max(level['codec_batches'], 1):.1f}",
+                                 f"{len(pauses.ms)} (max {max(pauses.ms, default=0.0):.1f} ms)"])
+                    stage_rows.append([f"{label} r{round_ + 1}",
+                                       *(f"{percentile(split[name], 50):.1f}" for name, _, _ in STAGES),
+                                       f"{percentile(level['server_first_audio_ms'], 50):.1f}"])
+            finally:  # a level cut short (budget, SIGTERM) keeps its summary row
+                if rounds:
+                    summary.append([label, len(rounds), spread([percentile(r["ttfa_ms"], 50) for r in rounds]),
+                                    spread([percentile(r["ttfa_ms"], 95) for r in rounds]),
+                                    spread([percentile(r["rtf"], 50) for r in rounds], "{:.3f}"),
+                                    " ".join(str(sum(1 for n in r["stalls"] if n)) for r in rounds),
+                                    " ".join(f"{sum(r['stall_s']):.2f}" for r in rounds),
+                                    spread([r["audio_s_per_wall_s"] for r in rounds], "{:.1f}"),
+                                    spread([percentile(r["stages_ms"]["client -> engine call"], 95) for r in rounds],
+                                           "{:.1f}")])
             print(f"concurrency {label} done", flush=True)
-    server.stop()
+            if args.out is not None:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "talker_gpu.json").write_text(json.dumps(results, indent=1))
+
+
+def _report(rows: list[list[str]], stage_rows: list[list[str]], summary: list[list[Any]]) -> None:
     header = ["conc", "TTFA p50 / p95 ms", "raw talker 1st frame p50 ms", "TTFA / raw", "RTF p50",
               "raw talker RTF p50", "streams with a stall", "total stall s", "stalls at chunk #:streams",
               "audio s per wall s", "chunks per codec batch", "ms per codec batch",
@@ -334,11 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("summary over rounds: median [min-max] of each round's figure; stalls listed per round")
     print(table(["conc", "rounds", "TTFA p50 ms", "TTFA p95 ms", "RTF p50", "streams with a stall, per round",
-                 "stall s, per round", "audio s per wall s", "client -> engine call p95 ms"], summary))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "talker_gpu.json").write_text(json.dumps(results, indent=1))
-    return 0
+                 "stall s, per round", "audio s per wall s", "client -> engine call p95 ms"], summary), flush=True)
 
 
 def _cuda() -> bool:

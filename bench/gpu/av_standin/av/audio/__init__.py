@@ -1,0 +1,1 @@
+"""PyAV stand-in: `av.audio` (see `av/__init__.py`)."""
