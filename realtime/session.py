@@ -170,13 +170,16 @@ class SessionRuntime:
     async def resume(self, ws: web.WebSocketResponse, transport: asyncio.BaseTransport | None,
                      request: SessionResume) -> None:
         """Serve `ws`, whose client sent `request` (its token and key already checked by the registry):
-        answer `session.resumed`, replay the frames after `request.seq`, then go on live. A connection
-        still attached is taken over: it gets an `error` (`session_taken_over`) and is closed with 1008.
-        Raises `ProtocolError` (`resume_gap`) when frames the client lacks are no longer kept."""
+        answer `session.resumed`, replay the frames after `request.seq`, then go on live. `request.seq`
+        acknowledges the frames up to it (the client says it has them), so a session that stopped producing
+        for want of an ack goes on. A connection still attached is taken over: it gets an `error`
+        (`session_taken_over`) and is closed with 1008. Raises `ProtocolError` (`resume_gap`) when frames the
+        client lacks are no longer kept."""
         if self._ended or self._close is not None:
             raise ProtocolError("resume_expired", f"Cannot resume session {self.session_id!r}: it is ending",
                                 fatal=True)
         self.replay.check_resume(request.seq)
+        self.replay.ack(request.seq)
         old = self._conn
         if old is not None:
             self._take_over(old)  # no message of the old connection is applied after this
@@ -220,19 +223,26 @@ class SessionRuntime:
             if task is not None and task.cancelling():
                 # The handler is cancelled: aiohttp does that when the client's TCP connection is lost
                 # (`handler_cancellation`), and at shutdown.
+                # The reader may have read the client's close frame already (aiohttp closes the
+                # transport as it answers one, so this cancellation can follow a close on purpose).
                 reader.cancel()
                 if not conn.taken_over:
-                    if self._close is None and self._resumable():
+                    if self._broke(conn):
                         self._detach(conn)
                     else:
                         await self._end()
                 raise
         if conn.taken_over:
             return
-        if self._close is None and not conn.closed_on_purpose and self._resumable():
+        if self._broke(conn):
             self._detach(conn)
             return
         await self._end()
+
+    def _broke(self, conn: Connection) -> bool:
+        """Whether the end of `conn` leaves the session waiting for a resume: the connection broke (no
+        `session.close`, no close frame either way, no fatal error) and the session is resumable."""
+        return self._close is None and not conn.closed_on_purpose and self._resumable()
 
     def _resumable(self) -> bool:
         return (self.replay.acknowledged and self.settings.resume_window_s > 0 and not self._draining()

@@ -8,17 +8,21 @@ import contextlib
 import dataclasses
 import gc
 import json
+import re
 import weakref
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 import websockets
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from voicewire.realtime.settings import Settings
 from voicewire_client import AudioData, AudioWords, SessionDone
 from voicewire_client import connect as client_connect
+from voicewire_client.session import ACK_EVERY_BYTES
 from websockets.asyncio.client import ClientConnection
 
 from tests.proxy import Proxy
@@ -128,6 +132,8 @@ class ResumingClient:
 
 
 async def _reference(server: ServerThread, deltas: list[str]) -> Stream:
+    """What an uncut run of `deltas` receives; returns once the server ended its session (so a server of
+    one session takes the next)."""
     client = ResumingClient(server, server.ws_url)
     await client.open()
     for delta in deltas:
@@ -136,6 +142,7 @@ async def _reference(server: ServerThread, deltas: list[str]) -> Stream:
     assert await client.receive_until("session.done")
     assert client.ws is not None
     await client.ws.close()
+    await _assert_gone(server, client.session_id)
     return client.got
 
 
@@ -213,7 +220,7 @@ def _assert_same(resumed: Stream, reference: Stream) -> None:
 async def test_a_connection_cut_anywhere_in_the_audio_resumes_without_loss_or_repeat(
         server: ServerThread, cut_fraction: float) -> None:
     deltas = _deltas(TEXT)
-    reference = await _reference(server, deltas)
+    reference = await _reference_of(server, deltas)
     total = sum(len(i) if isinstance(i, bytes) else len(json.dumps(i)) for i in reference.items)
     async with Proxy(server.port) as proxy:
         client = ResumingClient(server, proxy.url())
@@ -236,7 +243,7 @@ async def test_a_connection_cut_anywhere_in_the_audio_resumes_without_loss_or_re
 
 async def test_a_cut_while_text_streams_resends_only_what_the_server_did_not_apply(server: ServerThread) -> None:
     deltas = _deltas(TEXT)
-    reference = await _reference(server, deltas)
+    reference = await _reference_of(server, deltas)
     async with Proxy(server.port) as proxy:
         client = ResumingClient(server, proxy.url())
         await client.open()
@@ -288,46 +295,6 @@ async def test_wrong_token_and_unknown_session_are_refused_and_the_session_still
     await proxy.__aexit__()
 
 
-async def test_a_token_of_another_key_is_refused() -> None:
-    srv = ServerThread(Settings(api_keys=("key-one", "key-two")))
-    try:
-        async with Proxy(srv.port) as proxy:
-            client = ResumingClient(srv, proxy.url("?token=key-one"))
-            await client.open()
-            await client.send({"type": "input.text", "text": "Hi."})
-            await client.send({"type": "input.done"})
-            assert await client.receive_until("session.done")
-            proxy.abort()
-        await _until_waiting(srv, client.session_id)
-        refused = await client.resume("&token=key-two")
-        assert refused["code"] == "resume_denied" and "another API key" in refused["message"], refused
-        answer = await client.resume("&token=key-one")
-        assert answer["type"] == "session.resumed", answer
-        assert client.ws is not None
-        await client.ws.close()
-    finally:
-        srv.stop()
-
-
-async def test_the_window_expires_and_a_closed_session_cannot_be_resumed() -> None:
-    srv = ServerThread(Settings(resume_window_s=0.3))
-    try:
-        client, proxy = await _dropped_session(srv)
-        await proxy.__aexit__()
-        await asyncio.sleep(0.6)
-        expired = await client.resume()
-        assert expired["code"] == "resume_expired" and "within 0.3 s" in expired["message"], expired
-        closed = ResumingClient(srv, srv.ws_url)
-        await closed.open()
-        await closed.send({"type": "session.close"})
-        assert not await closed.receive_until("never")
-        gone = await closed.resume()
-        assert gone["code"] == "resume_expired" and "session.close" in gone["message"], gone
-        assert srv.ctx.metrics.resumes_expired._value.get() == 1
-    finally:
-        srv.stop()
-
-
 async def test_a_second_resume_takes_over_and_the_first_connection_is_told_why(server: ServerThread) -> None:
     client, proxy = await _dropped_session(server)
     first = await client.resume()
@@ -347,6 +314,27 @@ async def test_a_second_resume_takes_over_and_the_first_connection_is_told_why(s
     await proxy.__aexit__()
 
 
+@pytest.mark.parametrize("speaking", [False, True])
+async def test_a_close_frame_from_the_client_ends_a_resumable_session_at_once(server: ServerThread,
+                                                                               speaking: bool) -> None:
+    """A client that closes its WebSocket (a close frame, no `session.close`), idle or mid-answer, ended the
+    session on purpose: the server keeps nothing of it (it does not wait for a resume), and a resume is
+    refused."""
+    client = ResumingClient(server, server.ws_url)
+    await client.open()
+    await _until_acknowledged(server, client.session_id)
+    runtime = await _runtime_ref(server, client.session_id)
+    if speaking:
+        await client.send({"type": "input.text", "text": LONG})
+        await client.send({"type": "input.done"})
+        assert await client.receive_until("audio.start")
+    assert client.ws is not None
+    await client.ws.close()
+    await _assert_gone(server, client.session_id, client.ports, runtime)
+    answer = await client.resume()
+    assert answer["code"] == "resume_expired" and "connection closed" in answer["message"], answer
+
+
 async def test_a_client_that_never_acknowledges_keeps_disconnect_is_cancel(server: ServerThread) -> None:
     async with Proxy(server.port) as proxy:
         ws = await websockets.connect(proxy.url())
@@ -364,7 +352,7 @@ async def test_a_client_that_never_acknowledges_keeps_disconnect_is_cancel(serve
 
 async def test_the_python_client_resumes_by_itself_and_yields_every_frame_once(server: ServerThread) -> None:
     deltas = _deltas(TEXT)
-    reference = await _reference(server, deltas)
+    reference = await _reference_of(server, deltas)
     async with Proxy(server.port) as proxy, client_connect(proxy.url()) as session:
         await session.configure(**CONFIG)
         proxy.limits["down"] = proxy.passed["down"] + len(reference.audio()) // 2
@@ -411,42 +399,141 @@ async def test_a_cut_right_after_a_cancel_resumes_with_the_cancel_applied_once(s
 LONG = " ".join(f"Sentence number {n} is here to make the answer long enough." for n in range(1, 9))
 
 
-async def _runtime_state(server: ServerThread, session_id: str) -> tuple[int, int, int]:
-    """(engine requests started, replay bytes held, replay cap) of a session, read on the server's loop."""
-    async def read() -> tuple[int, int, int]:
+async def _runtime_state(server: ServerThread, session_id: str) -> tuple[int, int, int, int]:
+    """(engine requests started, its unit tasks alive, replay bytes held, replay cap) of a session, read
+    on the server's loop."""
+    async def read() -> tuple[int, int, int, int]:
         runtime = next(s for s in server.ctx.sessions if s.session_id == session_id)  # type: ignore[attr-defined]
-        return runtime.engine_requests_started, runtime.replay.held_bytes, runtime.replay.cap_bytes
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(read(), server.loop))
+        units = sum(1 for t in asyncio.all_tasks() if re.fullmatch(rf"{session_id}-\d+-\d+", t.get_name()))
+        return runtime.engine_requests_started, units, runtime.replay.held_bytes, runtime.replay.cap_bytes
+    return await _on_server(server, read)
 
 
-async def test_a_waiting_session_starts_no_engine_work_and_its_full_replay_buffer_pauses_it() -> None:
-    """While it waits, the session finishes only its units in flight; past `replay_buffer_bytes` it stops
-    taking their audio (synthesis pauses, nothing is dropped), and the resume still gets all of it."""
-    srv = ServerThread(Settings(replay_buffer_bytes=30_000))
-    try:
-        reference = await _reference(srv, [LONG])
-        async with Proxy(srv.port) as proxy:
-            client = ResumingClient(srv, proxy.url())
-            await client.open()
-            await client.send({"type": "input.text", "text": LONG})
-            await client.send({"type": "input.done"})
-            assert await client.receive_until("audio.start")
-            proxy.abort()
-        await _until_waiting(srv, client.session_id)
-        started, _held, cap = await _runtime_state(srv, client.session_id)
-        await asyncio.sleep(1.5)  # hibari would have synthesized every sentence by now
-        later, held, _ = await _runtime_state(srv, client.session_id)
-        assert later == started <= srv.settings.max_units_in_flight + 1
-        biggest = max(len(i) for i in reference.items if isinstance(i, bytes))
-        assert cap <= held <= cap + biggest, "the buffer filled to its cap and stopped (one frame over at most)"
-        assert held < len(reference.audio()) // 2, "it stopped well before the answer's audio was all there"
+async def _cut_mid_answer(server: ServerThread, proxy: Proxy) -> ResumingClient:
+    """A resumable client speaking `LONG` through `proxy`, cut at its first `audio.start`; returns once the
+    server noticed (the session waits for a resume)."""
+    client = ResumingClient(server, proxy.url())
+    await client.open()
+    await client.send({"type": "input.text", "text": LONG})
+    await client.send({"type": "input.done"})
+    assert await client.receive_until("audio.start")
+    proxy.abort()
+    await _until_waiting(server, client.session_id)
+    return client
+
+
+async def _until_units_ended(server: ServerThread, session_id: str) -> tuple[int, int, int]:
+    """Until no unit task of the session is alive: (engine requests started, replay bytes held, cap)."""
+    async with asyncio.timeout(60):
+        while True:
+            started, units, held, cap = await _runtime_state(server, session_id)
+            if units == 0:
+                return started, held, cap
+            await asyncio.sleep(0.02)
+
+
+async def test_a_waiting_session_finishes_its_units_in_flight_and_starts_no_other(server: ServerThread) -> None:
+    """While it waits, the session holds no engine slot beyond its units in flight: once those ended,
+    nothing else has started (the replay buffer has room, so only the wait holds the rest back), and the
+    resume gets the whole answer."""
+    reference = await _reference_of(server, [LONG])
+    async with Proxy(server.port) as proxy:
+        client = await _cut_mid_answer(server, proxy)
+        started, _units, _held, _cap = await _runtime_state(server, client.session_id)
+        assert started <= server.settings.max_units_in_flight + 1
+        ended_started, held, cap = await _until_units_ended(server, client.session_id)
+        assert ended_started == started, "a unit started while the session waited for a resume"
+        assert held < cap and started < sum(1 for e in reference.events() if e["type"] == "audio.start")
         answer = await client.resume()
-        assert answer["type"] == "session.resumed"
+        assert answer["type"] == "session.resumed", answer
         assert await client.receive_until("session.done")
         _assert_same(client.got, reference)
         await _close(client, proxy)
-    finally:
-        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def narrow_server() -> Iterator[ServerThread]:
+    """A server with a small replay buffer (30 kB: under one sentence of audio), one session at most, and a
+    resume window (10 minutes) that outlasts any test, so a session that ends did not expire."""
+    srv = ServerThread(Settings(replay_buffer_bytes=30_000, max_sessions=1, resume_window_s=600.0))
+    yield srv
+    srv.stop()
+
+
+async def test_a_full_replay_buffer_pauses_a_waiting_session_which_keeps_its_place(
+        narrow_server: ServerThread) -> None:
+    """Past `replay_buffer_bytes` a waiting session stops taking its units' audio (their synthesis pauses,
+    nothing is dropped) and the resume still gets all of it. Its replay buffer counts against the server's
+    memory bound (`max_sessions` x `replay_buffer_bytes`): while it waits it keeps its place, so a new
+    session is refused as on a full server."""
+    srv = narrow_server
+    reference = await _reference_of(srv, [LONG])
+    async with Proxy(srv.port) as proxy:
+        client = await _cut_mid_answer(srv, proxy)
+        async with websockets.connect(srv.ws_url) as another:
+            with pytest.raises(websockets.ConnectionClosed):
+                await another.recv()
+        assert another.close_code == 1013 and another.close_reason == "server full"
+        _started, held, cap = await _until_units_ended(srv, client.session_id)
+        biggest = max(len(i) for i in reference.items if isinstance(i, bytes))
+        assert cap <= held <= cap + biggest, "the buffer filled to its cap and stopped (one frame over at most)"
+        assert held < len(reference.audio()) // 2, "it stopped well before the answer's audio was all there"
+        answer = await client.resume()  # a resume creates no session: the full server takes it
+        assert answer["type"] == "session.resumed", answer
+        assert await client.receive_until("session.done")
+        _assert_same(client.got, reference)
+        await _close(client, proxy)
+
+
+async def test_the_python_client_acks_often_enough_for_a_small_replay_buffer(narrow_server: ServerThread) -> None:
+    """A server whose `replay_buffer_bytes` (30 kB) is below the client's usual ack cadence (64 KiB): the
+    client acks at a quarter of the published limit, so the server never stops for an ack and no send
+    stalls. (Acking every 64 KiB, it did not ack an answer whose audio is between the two: the server waited
+    for an ack to send `audio.done`, the send stalled, and every resume ended in the same stall.)"""
+    async with client_connect(narrow_server.ws_url) as session:
+        await session.configure(**CONFIG)
+        await session.send_text("Hi.")
+        await session.done()
+        audio = b""
+        async for item in session:
+            if isinstance(item, AudioData):
+                audio += item.data
+            elif isinstance(item, SessionDone):
+                break
+        assert session.reconnects == 0
+    assert narrow_server.settings.replay_buffer_bytes < len(audio) < ACK_EVERY_BYTES
+
+
+async def test_a_resume_acknowledges_what_the_client_received(narrow_server: ServerThread) -> None:
+    """A client that read a full replay buffer without acknowledging it (the server stopped sending) and
+    lost its connection: its resume's `seq` acknowledges those frames, so the server forgets them and goes
+    on; the answer arrives whole."""
+    srv = narrow_server
+    reference = await _reference_of(srv, [LONG])
+    async with Proxy(srv.port) as proxy:
+        client = ResumingClient(srv, proxy.url())
+        await client.open()
+        await _until_acknowledged(srv, client.session_id)
+        await client.send({"type": "input.text", "text": LONG})
+        await client.send({"type": "input.done"})
+        assert client.ws is not None
+        unacknowledged = 0
+        while unacknowledged < srv.settings.replay_buffer_bytes:  # the server stops sending past this
+            frame = await client.ws.recv()
+            client.got.seq += 1
+            client.got.items.append(frame if isinstance(frame, bytes) else json.loads(frame))
+            unacknowledged += len(frame)
+        proxy.abort()
+        await _until_waiting(srv, client.session_id)
+        answer = await client.resume()
+        assert answer["type"] == "session.resumed", answer
+
+        async def first_kept() -> int:
+            return next(s for s in srv.ctx.sessions if s.session_id == client.session_id).replay.first_seq  # type: ignore[attr-defined]
+        assert await _on_server(srv, first_kept) == client.got.seq + 1
+        assert await client.receive_until("session.done")
+        _assert_same(client.got, reference)
+        await _close(client, proxy)
 
 
 async def test_session_resume_on_a_plain_connection_is_refused_and_acks_past_the_end_are_errors(
@@ -665,21 +752,13 @@ async def test_the_python_client_resumes_from_cuts_at_random_points(
     assert got_words == words
 
 
-@pytest.fixture(scope="module")
-def long_window_server() -> Iterator[ServerThread]:
-    """A server whose resume window (10 minutes) outlasts any test: a session that ends did not expire."""
-    srv = ServerThread(Settings(resume_window_s=600.0))
-    yield srv
-    srv.stop()
-
-
 @pytest.mark.parametrize("phase", ["dialling", "backing_off"])
 async def test_closing_the_python_client_while_it_reconnects_ends_the_session_on_the_server(
-        long_window_server: ServerThread, phase: str) -> None:
+        narrow_server: ServerThread, phase: str) -> None:
     """`close()` while the client is resuming a dropped connection (its new connection still opening, or
     between two attempts) still delivers `session.close`: the server ends the session now, rather than
     keeping it (and its replay log) for the whole resume window, and keeps nothing of it."""
-    server = long_window_server
+    server = narrow_server
     async with Proxy(server.port) as proxy:
         session = await client_connect(proxy.url())
         updated = await session.configure(**CONFIG)
@@ -711,11 +790,21 @@ async def test_closing_the_python_client_while_it_reconnects_ends_the_session_on
     assert answer["code"] == "resume_expired" and "session.close" in answer["message"], answer
 
 
+async def _scrape(server: ServerThread, key: str) -> dict[str, float]:
+    """`GET /metrics` with API key `key`, parsed: every unlabelled sample by name."""
+    async with httpx.AsyncClient(base_url=server.http_url, headers={"Authorization": f"Bearer {key}"}) as http:
+        response = await http.get("/metrics")
+    assert response.status_code == 200, response.text
+    return {s.name: s.value for family in text_string_to_metric_families(response.text) for s in family.samples
+            if not s.labels}
+
+
 async def test_every_refused_resume_leaves_a_session_in_progress_untouched() -> None:
     """While a bystander session (same API key) is in the middle of an answer, every kind of bad resume is
     tried on other sessions: a wrong token, a token of another key, an unknown session, a second resume
     (the first connection is taken over), a window that expired, a session ended with `session.close`.
-    Each gets its own clear error, and the bystander's answer is exactly that of an undisturbed run."""
+    Each gets its own clear error, the bystander's answer is exactly that of an undisturbed run, and
+    `/metrics` counts each attempt, success, expiry, replayed byte and waiting session."""
     srv = ServerThread(Settings(api_keys=("key-one", "key-two"), resume_window_s=3.0))
     one, two = "?token=key-one", "&token=key-one"
     try:
@@ -734,11 +823,21 @@ async def test_every_refused_resume_leaves_a_session_in_progress_untouched() -> 
         assert await bystander.receive_until("audio.start")  # mid-answer from here on
 
         async with Proxy(srv.port) as proxy:
+            # Dropped first, so that its window passes while the others are tried.
+            expiring = ResumingClient(srv, proxy.url(one))
+            limits = (await expiring.open())["limits"]
+            assert limits["resume_window_s"] == 3.0
+            assert limits["replay_buffer_bytes"] == srv.settings.replay_buffer_bytes
+            await _until_acknowledged(srv, expiring.session_id)
+            proxy.abort()
+            await _until_waiting(srv, expiring.session_id)
+
             victim = ResumingClient(srv, proxy.url(one))
             await victim.open()
             await _until_acknowledged(srv, victim.session_id)
             proxy.abort()
             await _until_waiting(srv, victim.session_id)
+            assert (await _scrape(srv, "key-one"))["voicewire_sessions_waiting_for_resume"] == 2
             wrong = await victim.resume(two, token="vwr_" + "A" * 43)
             assert wrong["code"] == "resume_denied" and "token does not match" in wrong["message"], wrong
             other_key = await victim.resume("&token=key-two")
@@ -747,18 +846,15 @@ async def test_every_refused_resume_leaves_a_session_in_progress_untouched() -> 
             unknown = await victim.resume(two)
             assert unknown["code"] == "resume_unknown", unknown
             victim.session_id = victim_id
-            assert (await victim.resume(two))["type"] == "session.resumed"
+            resumed = [await victim.resume(two)]
+            assert resumed[0]["type"] == "session.resumed", resumed
             first = victim.ws
-            assert (await victim.resume(two, close_old=False))["type"] == "session.resumed"
+            resumed.append(await victim.resume(two, close_old=False))
+            assert resumed[1]["type"] == "session.resumed", resumed
             assert first is not None
             taken = json.loads(await first.recv())
             assert taken["code"] == "session_taken_over" and taken["fatal"], taken
 
-            expiring = ResumingClient(srv, proxy.url(one))
-            await expiring.open()
-            await _until_acknowledged(srv, expiring.session_id)
-            proxy.abort()
-            await _until_waiting(srv, expiring.session_id)
             await _assert_gone(srv, expiring.session_id)  # the window passes
             expired = await expiring.resume(two)
             assert expired["code"] == "resume_expired" and "within 3 s" in expired["message"], expired
@@ -771,6 +867,12 @@ async def test_every_refused_resume_leaves_a_session_in_progress_untouched() -> 
 
         assert await bystander.receive_until("session.done")
         _assert_same(bystander.got, reference.got)
+        metrics = await _scrape(srv, "key-one")
+        assert metrics["voicewire_resumes_attempted_total"] == 7  # 3 refused, 2 resumed, expired, closed
+        assert metrics["voicewire_resumes_succeeded_total"] == 2
+        assert metrics["voicewire_resumes_expired_total"] == 1  # session.close is no expiry
+        assert metrics["voicewire_replayed_bytes_total"] == sum(r["replay_bytes"] for r in resumed)
+        assert metrics["voicewire_sessions_waiting_for_resume"] == 0
         await _close(bystander)
         await _close(victim)
     finally:

@@ -58,13 +58,20 @@ class Emitter {
   }
 }
 
-/** Binary audio received between two `session.ack`s at most (acks also follow every JSON event). */
+/** Binary audio received between two `session.ack`s at most (acks also follow every JSON event); less on a
+ * server whose `replay_buffer_bytes` is small: a quarter of it (the server stops sending once that much is
+ * unacknowledged, so acking less often would stall the session). */
 export const ACK_EVERY_BYTES = 64 * 1024;
 const RECONNECT_FIRST_DELAY_MS = 50;
 const RECONNECT_MAX_DELAY_MS = 2000;
 /** How long `close()` goes on resuming a dropped socket to deliver `session.close` (past it the server ends
  * the session when its resume window passes). */
 const CLOSE_RESUME_MS = 10000;
+
+/** Binary bytes between two acks for a server that keeps `replayBytes` of unacknowledged frames (0: unknown). */
+function ackEvery(replayBytes) {
+  return replayBytes > 0 ? Math.min(ACK_EVERY_BYTES, Math.floor(replayBytes / 4)) : ACK_EVERY_BYTES;
+}
 
 /** `ws(s)://` URL of the speech stream of the server that served this page. */
 export function defaultUrl() {
@@ -131,6 +138,7 @@ export class VoicewireClient extends Emitter {
   _resetStream() {
     this._seq = 0; // server frames received: the number of the last one
     this._ackedBytes = 0;
+    this._ackEvery = ACK_EVERY_BYTES; // binary bytes between two acks (less for a small replay buffer)
     this._sentCount = 0; // client messages sent, numbered as the server counts them
     this._unapplied = []; // [number, text] sent but not yet applied by the server
     this._sessionId = null;
@@ -294,7 +302,7 @@ export class VoicewireClient extends Emitter {
     if (!this.resume || this._sessionId === null || !this.socket) return;
     if (typeof data !== "string") {
       this._ackedBytes += data.byteLength;
-      if (this._ackedBytes < ACK_EVERY_BYTES) return;
+      if (this._ackedBytes < this._ackEvery) return;
     }
     this._ackedBytes = 0;
     if (this.socket.readyState === WebSocket.OPEN) this.socket.send(JSON.stringify({ type: "session.ack", seq: this._seq }));
@@ -391,6 +399,7 @@ export class VoicewireClient extends Emitter {
         this._sessionId = event.session_id;
         this._resumeToken = event.resume_token ?? null;
         this._windowS = event.limits?.resume_window_s ?? 0;
+        this._ackEvery = ackEvery(event.limits?.replay_buffer_bytes ?? 0);
         if (this._pendingConfig) {
           this._pendingConfig.resolve(event);
           this._pendingConfig = null;

@@ -61,7 +61,9 @@ from voicewire_client.events import (
 
 STREAM_PATH: Final = "/v1/audio/speech/stream"
 ACK_EVERY_BYTES: Final = 64 * 1024
-"""Binary audio received between two `session.ack`s at most (acks also follow every JSON event)."""
+"""Binary audio received between two `session.ack`s at most (acks also follow every JSON event); less on a
+server whose `replay_buffer_bytes` is small: a quarter of it (the server stops sending once that much is
+unacknowledged, so acking less often would stall the session)."""
 RECONNECT_FIRST_DELAY_S: Final = 0.05
 RECONNECT_MAX_DELAY_S: Final = 2.0
 CLOSE_RESUME_S: Final = 10.0
@@ -144,6 +146,8 @@ class Session:
         self._seq = 0
         """Server frames received (the number of the last one)."""
         self._acked_bytes = 0
+        self._ack_every = ACK_EVERY_BYTES
+        """Binary bytes between two acks (`ACK_EVERY_BYTES`, or less for the server's replay buffer)."""
         self._sent_count = 0
         """Client messages sent (numbered as the server counts them)."""
         self._unapplied: deque[tuple[int, str]] = deque()
@@ -326,7 +330,7 @@ class Session:
             return
         if isinstance(frame, bytes):
             self._acked_bytes += len(frame)
-            if self._acked_bytes < ACK_EVERY_BYTES:
+            if self._acked_bytes < self._ack_every:
                 return
         self._acked_bytes = 0
         await self._send_control({"type": "session.ack", "seq": self._seq})
@@ -412,6 +416,8 @@ class Session:
             self._session_id = event.session_id
             self._token = event.resume_token
             self._window_s = float(event.limits.get("resume_window_s", 0.0))
+            replay_bytes = int(event.limits.get("replay_buffer_bytes", 0))
+            self._ack_every = min(ACK_EVERY_BYTES, replay_bytes // 4) if replay_bytes > 0 else ACK_EVERY_BYTES
         if isinstance(event, AudioStart):
             self._unit = event
         elif isinstance(event, AudioDone):
