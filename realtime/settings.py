@@ -61,7 +61,6 @@ class Settings:
     """Server frames kept per session for a resume (about 20 s of 24 kHz pcm16); past it a resumable
     session pauses its synthesis until the client acknowledges or resumes. With `max_sessions` this bounds
     the memory replay takes: `max_sessions` x this."""
-    """Control events queued for a client that is not reading; past this the session is closed."""
     shutdown_grace_s: float = 10.0
     server_id: str | None = None
     """This server's name behind a load balancer (1-64 letters, digits, '_' or '-'). Session ids start with
