@@ -14,6 +14,7 @@ from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT, TimedString
 from voicewire_client import livekit as voicewire
 
 from tests.llm_text import LONG_REPLY, REPLY, llm_tokens
+from tests.proxy import Proxy
 from tests.server import ServerThread
 
 RATE = 16000
@@ -146,3 +147,37 @@ async def test_a_refused_config_is_an_api_error_that_is_not_retried(server: Serv
         assert not caught.value.retryable
     finally:
         await speech.aclose()
+
+
+async def _streamed(url: str, proxy: Proxy | None = None) -> tuple[bytes, list[TimedString], int]:
+    """`REPLY` as LLM tokens through a plugin on `url` (the connection cut about 2 s into its 16 kHz audio
+    when a `proxy` is given): the audio and timed words LiveKit got, and the sockets the plugin opened."""
+    speech = voicewire.TTS(url=url, voice="heart", sample_rate=RATE, session_config={"seed": 7})
+    try:
+        if proxy is not None:
+            proxy.limits["down"] = 60_000
+        async with speech.stream() as stream:
+            for token in llm_tokens(REPLY):
+                stream.push_text(token)
+            stream.end_input()
+            audio, words = await collect(stream)
+        return b"".join(bytes(ev.frame.data) for ev in audio), words, speech.connections_opened
+    finally:
+        await speech.aclose()
+
+
+async def test_a_connection_dropped_mid_reply_resumes_and_the_segment_plays_whole_once(server: ServerThread) -> None:
+    """A network blip (the TCP connection cut, no close frame) in the middle of a segment: the plugin's
+    session resumes on a new connection by itself, and LiveKit gets every sample of the segment once, the
+    same as an uncut run, with the same timed words."""
+    reference, words, _ = await _streamed(server.ws_url)
+    sessions = server_count(server, "voicewire_sessions_total")
+    resumed = server_count(server, "voicewire_resumes_succeeded_total")
+    async with Proxy(server.port) as proxy:
+        audio, resumed_words, opened = await _streamed(proxy.url(), proxy)
+        assert proxy.cuts == 1
+    assert opened == 1 and server_count(server, "voicewire_sessions_total") == sessions + 1, "resumed, not reopened"
+    assert server_count(server, "voicewire_resumes_succeeded_total") == resumed + 1
+    assert len(audio) == len(reference) and audio == reference
+    timed = [(str(w), w.start_time, w.end_time) for w in words]
+    assert [(str(w), w.start_time, w.end_time) for w in resumed_words] == timed and len(timed) > 5
