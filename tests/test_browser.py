@@ -9,6 +9,7 @@ only outside CI.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -18,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import websockets
 from voicewire.realtime.settings import Settings
 
 from tests.proxy import Proxy
 from tests.server import API_KEY, ServerThread, free_port
+from tests.wsclient import configure, recv_until, send
 
 BROWSER_DIR = Path(__file__).parent / "browser"
 DRIVER = BROWSER_DIR / "drive.mjs"
@@ -131,30 +134,46 @@ def test_stop_silences_playback_within_one_chunk_and_the_next_utterance_plays(de
     assert demo["stats"]["transcript"] == nxt["text"]
 
 
-def test_unreachable_server_shows_a_clear_message(server: ServerThread) -> None:
-    closed = f"ws://127.0.0.1:{free_port()}/v1/audio/speech/stream"
-    shown = drive("message", f"{server.http_url}/?url={closed}")
+UNREACHABLE = f"ws://127.0.0.1:{free_port()}/v1/audio/speech/stream"
+
+
+@pytest.fixture(scope="module")
+def pages(server: ServerThread, keyed_server: ServerThread) -> dict[str, Record]:
+    """The page opened at each URL the tests below look at, in one browser: what it shows once it
+    connected (`load`), or once Speak was pressed and it showed a message (`message`)."""
+    jobs = {
+        "unreachable": ["message", f"{server.http_url}/?url={UNREACHABLE}"],
+        "wrong_token": ["message", f"{keyed_server.http_url}/?token=wrong-token"],
+        "no_token": ["message", f"{keyed_server.http_url}/"],
+        "right_token": ["load", f"{keyed_server.http_url}/?token={API_KEY}"],
+    }
+    reports: dict[str, Record] = drive("pages", json.dumps(jobs))
+    return reports
+
+
+def test_unreachable_server_shows_a_clear_message(pages: dict[str, Record]) -> None:
+    shown = pages["unreachable"]
     assert shown["visible"]
-    assert "not reachable" in shown["text"] and closed in shown["text"]
+    assert "not reachable" in shown["text"] and UNREACHABLE in shown["text"]
     assert shown["connection"] == "not connected"
 
 
-def test_wrong_token_shows_a_clear_message(keyed_server: ServerThread) -> None:
+def test_wrong_token_shows_a_clear_message(pages: dict[str, Record]) -> None:
     """The server refuses a bad key before the upgrade (HTTP 401); browsers hide the status from
     WebSocket code, so the client asks the same URL over HTTP and says what to fix."""
-    shown = drive("message", f"{keyed_server.http_url}/?token=wrong-token")
+    shown = pages["wrong_token"]
     assert shown["visible"]
     assert shown["text"] == "The server rejected the token (HTTP 401). Check the token and try again."
     assert shown["connection"] == "not connected"
 
 
-def test_missing_token_asks_for_one(keyed_server: ServerThread) -> None:
-    shown = drive("message", f"{keyed_server.http_url}/")
+def test_missing_token_asks_for_one(pages: dict[str, Record]) -> None:
+    shown = pages["no_token"]
     assert shown["text"] == "The server needs a token (HTTP 401). Add ?token=YOUR_KEY to the page URL."
 
 
-def test_the_right_token_in_the_page_url_connects(keyed_server: ServerThread) -> None:
-    loaded = drive("load", f"{keyed_server.http_url}/?token={API_KEY}")
+def test_the_right_token_in_the_page_url_connects(pages: dict[str, Record]) -> None:
+    loaded = pages["right_token"]
     assert loaded["message"] is None and loaded["connection"].startswith("connected")
     assert loaded["consoleErrors"] == []
 
@@ -169,14 +188,16 @@ def test_after_stop_played_shows_what_was_heard_not_the_dropped_rest(demo: Recor
 
 
 def test_the_page_shows_reconnecting_and_plays_on_after_its_connection_is_cut(server: ServerThread) -> None:
-    """The page's WebSocket goes through a TCP proxy that cuts it mid-audio (no close frame, as when a
-    network vanishes); the client reconnects, resumes, and the paragraph plays whole: every sample the
-    server sent for it, once."""
+    """The page's WebSocket goes through a TCP proxy that cuts it mid-audio, while the text is still being
+    typed (no close frame, as when a network vanishes); the client reconnects, resumes, resends the text the
+    server had not applied, and the paragraph plays whole: the audio the client emitted is byte for byte
+    that of an uncut run with the same seed, with the same words, and the player played every sample the
+    server sent once."""
     proxy = Proxy(server.port)
     server.call(proxy.__aenter__)
     try:
         proxy.limits["down"] = 40_000  # past session.updated, inside the first sentence's audio
-        report = drive("resume", f"{server.http_url}/?url={proxy.url()}")
+        report = drive("resume", f"{server.http_url}/?url={proxy.url()}&seed=7")
     finally:
         server.call(proxy.__aexit__)
     assert proxy.cut.is_set()
@@ -185,10 +206,30 @@ def test_the_page_shows_reconnecting_and_plays_on_after_its_connection_is_cut(se
     assert report["connection"].startswith("connected") and report["message"] is None
     rec = report["paragraph"]
     assert rec["ended"] and not rec["cancelled"] and rec["serverDone"]["total_sentences"] == 3
+    assert 0 < report["typedAtCut"] < len(rec["text"]), "the cut fell while the text was being typed"
     sent = samples_sent(rec)
     assert rec["bytesReceived"] == rec["sentBytes"]
     assert rec["playedAtEnd"] - rec["playedAtStart"] == sent, "every sample played once, none skipped"
     assert report["consoleErrors"] == []
+
+    config, audio, words = asyncio.run(uncut_run(server, rec["text"], report["config"]))
+    assert report["config"] == config, "the page and the uncut run asked for the same"
+    assert report["audioBytes"] == len(audio) and report["audioSha256"] == hashlib.sha256(audio).hexdigest()
+    assert rec["words"] == sorted(words, key=lambda w: w["char_start"])
+
+
+async def uncut_run(server: ServerThread, text: str, page_config: Record) -> tuple[Record, bytes, list[Record]]:
+    """`text` spoken on a connection of its own, configured as the page was (`page_config`, the effective
+    config its `session.updated` echoed): that config as echoed here, the audio, and the words."""
+    asked = {k: page_config[k] for k in ("voice", "speed", "response_format", "sample_rate", "stream_audio",
+                                         "split_granularity", "word_timestamps", "audio_frames", "seed")}
+    async with websockets.connect(server.ws_url) as ws:
+        updated = await configure(ws, **asked)
+        await send(ws, {"type": "input.text", "text": text})
+        await send(ws, {"type": "input.done"})
+        got = await recv_until(ws, "session.done")
+    audio = b"".join(i for i in got.items if isinstance(i, bytes))
+    return updated["config"], audio, [w for e in got.of("audio.words") for w in e["words"]]
 
 
 def test_closing_the_js_client_while_it_reconnects_ends_the_session_on_the_server() -> None:

@@ -1,7 +1,7 @@
 // The demo page served at `/`: streams the text box to the server as an LLM would type it, plays the
 // audio through the AudioWorklet player and highlights each word when it is heard.
 //
-// Page options: ?token=KEY, ?url=ws://host:port/v1/audio/speech/stream, ?jitter=MS.
+// Page options: ?token=KEY, ?url=ws://host:port/v1/audio/speech/stream, ?jitter=MS, ?seed=N.
 // `window.voicewireDemo` exposes the page's state (utterances, counters, messages) for tests and tinkering.
 
 import { PcmPlayer, Speaker, VoicewireClient } from "./voicewire.js";
@@ -10,6 +10,7 @@ const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 const client = new VoicewireClient({ url: params.get("url") || undefined, token: params.get("token") || undefined });
 const jitterMs = Number(params.get("jitter") || 60);
+const seed = params.get("seed"); // the engine's seed: the same text gives the same audio every time
 
 /** Everything the page knows, readable from the console (and by the browser tests). */
 const demo = {
@@ -62,6 +63,7 @@ function config() {
     response_format: $("format").value,
     sample_rate: rate ? Number(rate) : undefined,
     word_timestamps: true,
+    seed: seed === null ? undefined : Number(seed),
   };
 }
 
@@ -253,6 +255,7 @@ async function speak(text = $("text").value) {
     t0: performance.now(),
     ttfaMs: null,
     firstSoundMs: null,
+    typedChars: 0, // characters of the text sent so far
     bytesReceived: 0,
     sentBytes: 0,
     sampleRate: 0,
@@ -280,6 +283,7 @@ async function speak(text = $("text").value) {
     for (let i = 0; i < text.length && !run.aborted; i += piece) {
       if (i === 0) rec.t0 = performance.now();
       client.sendText(text.slice(i, i + piece));
+      rec.typedChars = Math.min(text.length, i + piece);
       if (pace) await sleep(pace);
     }
     if (!run.aborted) client.done();

@@ -4,7 +4,12 @@
 //   node drive.mjs message PAGE_URL              open the page, press Speak, report the message shown
 //   node drive.mjs load    PAGE_URL              open the page, report its connection and message
 //   node drive.mjs resume  PAGE_URL              speak a paragraph through a connection the test cuts;
-//                                                report what played and the connection badges shown
+//                                                report what played, the connection badges shown, the
+//                                                SHA-256 of the audio the client emitted, how much text
+//                                                was typed when the connection dropped, and the config
+//   node drive.mjs pages   JOBS_JSON             {"name": ["message" | "load", PAGE_URL], ...}: each job in a
+//                                                page of its own, in one browser; report {"name": report},
+//                                                each with the console errors of its own page
 //   node drive.mjs close-reconnecting PAGE_URL?proxy=WS_URL
 //                                                a VoicewireClient of the page speaks through WS_URL, which
 //                                                the test cuts; it calls close() as soon as it is
@@ -164,22 +169,40 @@ async function load(url) {
 async function resume(url) {
   const page = await openPage(url);
   await page.evaluate(() => {
+    const demo = window.voicewireDemo;
     window.badges = [];
     new MutationObserver(() => window.badges.push(document.getElementById("connection").textContent))
       .observe(document.getElementById("connection"), { childList: true, characterData: true, subtree: true });
+    // Registered before the page's player exists, so each buffer is copied before the player takes it.
+    window.heard = { chunks: [], typedAtCut: null };
+    demo.client.on("audio", (a) => window.heard.chunks.push(new Uint8Array(a.data).slice()));
+    demo.client.on("reconnecting", () => {
+      const u = demo.utterances;
+      if (window.heard.typedAtCut === null && u.length) window.heard.typedAtCut = u[u.length - 1].typedChars;
+    });
   });
-  await page.fill("#pace", "10");
+  await page.fill("#pace", "40"); // the text is still being typed when the connection drops
   await page.fill("#piece", "5");
   await startSpeaking(page, PARAGRAPH);
   await waitEnded(page);
   const paragraph = await last(page);
-  const shown = await page.evaluate(() => ({
-    reconnecting: window.voicewireDemo.reconnecting,
-    resumes: window.voicewireDemo.resumes,
-    badges: window.badges,
-    connection: document.getElementById("connection").textContent,
-    message: window.voicewireDemo.message,
-  }));
+  const shown = await page.evaluate(async () => {
+    const { chunks, typedAtCut } = window.heard;
+    const audio = new Uint8Array(chunks.reduce((n, c) => n + c.length, 0));
+    chunks.reduce((at, c) => (audio.set(c, at), at + c.length), 0);
+    const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", audio));
+    return {
+      reconnecting: window.voicewireDemo.reconnecting,
+      resumes: window.voicewireDemo.resumes,
+      badges: window.badges,
+      connection: document.getElementById("connection").textContent,
+      message: window.voicewireDemo.message,
+      audioBytes: audio.length,
+      audioSha256: Array.from(digest, (b) => b.toString(16).padStart(2, "0")).join(""),
+      typedAtCut,
+      config: window.voicewireDemo.client.updated.config,
+    };
+  });
   await page.close();
   return { paragraph, ...shown };
 }
@@ -222,7 +245,18 @@ async function closeReconnecting(url) {
   return report;
 }
 
-const modes = { main, message, load, resume, "close-reconnecting": closeReconnecting };
+/** Several `message` and `load` jobs, one after the other, in one browser (one launch instead of one each). */
+async function pages(jobs) {
+  const reports = {};
+  for (const [name, [job, url]] of Object.entries(JSON.parse(jobs))) {
+    const before = consoleErrors.length;
+    reports[name] = await { message, load }[job](url);
+    reports[name].consoleErrors = consoleErrors.splice(before);
+  }
+  return reports;
+}
+
+const modes = { main, message, load, resume, pages, "close-reconnecting": closeReconnecting };
 let result;
 try {
   result = await modes[mode](target);
