@@ -280,88 +280,6 @@ async def test_a_voice_uploaded_through_the_balancer_is_known_to_every_server_at
     assert sorted(p.name for p in cluster.voices.iterdir()) == []
 
 
-async def test_sigterm_drains_a_server_new_sessions_go_elsewhere_and_no_utterance_is_lost(
-        cluster: Cluster) -> None:
-    await cluster.all_up()
-    lines = ["The first line is short.", "The second line is too.", "And a third one ends it."]
-    async with one_session_per_server(cluster) as held:
-        target = cluster.backends["voicewire-1"]
-        draining = held["voicewire-1"]
-        others = {name: ws for name, ws in held.items() if name != "voicewire-1"}
-        before = [await speak(ws, name, f"Client {name} says hello. It is short.") for name, ws in held.items()]
-
-        # The target's client is mid-reply, as an LLM streams it: one sentence spoken, the next arriving.
-        await send(draining, {"type": "input.text", "text": lines[0] + " The second li"})
-        open_reply = Spoken("voicewire-1")
-        await recv_until(draining, "audio.start", open_reply.got)
-        assert target.proc is not None
-        target.proc.send_signal(signal.SIGTERM)
-        assert target.ready_status() == 503
-
-        # New sessions and requests at once (before HAProxy's next check: the server's 503 is retried on
-        # another), and again once HAProxy has taken the server out.
-        during = await new_sessions(cluster, 3)
-        requests = await speech_requests(cluster, 2)
-        await until(lambda: cluster.states()["voicewire-1"].startswith("DOWN"), "HAProxy to take voicewire-1 out")
-        during += await new_sessions(cluster, 3)
-        requests += await speech_requests(cluster, 2)
-        assert target.running, "the server stays up while its session has an utterance open"
-        elsewhere = [await speak(ws, name, f"Client {name} goes on.") for name, ws in others.items()]
-
-        # The open reply is finished where it started, then the session is closed (1001).
-        await send(draining, {"type": "input.text", "text": "ne is too. " + lines[2]})
-        await send(draining, {"type": "input.done"})
-        await recv_until(draining, "session.done", open_reply.got)
-        assert await closed_code(draining) == 1001
-    assert target.proc.wait(30) == 0
-
-    # The client opens a new session for its next reply: it lands on another server.
-    async with session(cluster) as (ws, server):
-        after = await speak(ws, server, "The reply after the drain.")
-
-    assert all(s.finished for s in [*before, *during, *elsewhere, open_reply, after])
-    assert open_reply.sentences == lines, "the utterance open at SIGTERM was finished whole, on the same server"
-    assert "voicewire-1" not in {s.server for s in [*during, after]}
-    assert [r.status_code for r in requests] == [200] * 4
-    assert "voicewire-1" not in {r.headers[SERVED_BY] for r in requests}
-
-
-async def test_a_killed_servers_clients_see_the_connection_end_and_new_sessions_go_to_the_others(
-        cluster: Cluster) -> None:
-    await cluster.all_up()
-    async with one_session_per_server(cluster) as held:
-        target = cluster.backends["voicewire-2"]
-        victim = held["voicewire-2"]
-        await send(victim, {"type": "input.text", "text": "One line here. Another line there. A last line."})
-        await send(victim, {"type": "input.done"})
-        cut = await recv_until(victim, "audio.start")
-        assert target.proc is not None
-        target.proc.kill()
-        # No hang: the balancer ends the client's connection as soon as the server's is gone (long before
-        # any timeout). A dead server sends no close frame, so the client sees 1006 and opens a new session.
-        assert await closed_code(victim, timeout=30) is None
-        assert cut.of("audio.start") and not cut.of("error")
-
-        # Sessions on the other servers go on; new ones go to them, at once and after HAProxy noticed.
-        survivors = [await speak(ws, name, f"Client {name} is fine.")
-                     for name, ws in held.items() if name != "voicewire-2"]
-        at_once = await new_sessions(cluster, 3)
-        await until(lambda: cluster.states()["voicewire-2"].startswith("DOWN"), "HAProxy to take voicewire-2 out")
-        later = await new_sessions(cluster, 3)
-        requests = await speech_requests(cluster, 2)
-        # A resume of a session of the dead server reaches a live one, which knows no such session.
-        url = f"{cluster.ws_url}?session_id=voicewire-2.sess_000000"
-        async with websockets.connect(url, additional_headers=AUTH) as resuming:
-            await send(resuming, {"type": "session.resume", "session_id": "voicewire-2.sess_000000",
-                                  "token": "vwr_x", "seq": 0})
-            refused = (await recv_until(resuming, "error")).of("error")
-            assert resuming.response is not None and resuming.response.headers[SERVED_BY] != "voicewire-2"
-        assert refused[0]["code"] == "resume_unknown", refused
-    assert all(s.finished for s in [*survivors, *at_once, *later])
-    assert "voicewire-2" not in {s.server for s in [*at_once, *later]} | {r.headers[SERVED_BY] for r in requests}
-    assert [r.status_code for r in requests] == [200, 200]
-
-
 @dataclass
 class Heard:
     """What the Python client yielded of one utterance."""
@@ -417,3 +335,103 @@ async def test_a_cut_client_connection_resumes_on_the_server_that_holds_the_sess
     assert proxy.cut.is_set() and client.reconnects == 1 and not got.errors, got.errors
     assert got.done is not None and got.done.total_sentences == len(got.units) == 3
     assert len(got.audio) == sum(u.total_bytes for u in got.units) > 0, "every byte once, none twice"
+
+
+async def test_sigterm_drains_a_server_new_sessions_go_elsewhere_and_no_utterance_is_lost(
+        cluster: Cluster) -> None:
+    await cluster.all_up()
+    lines = ["The first line is short.", "The second line is too.", "And a third one ends it."]
+    async with one_session_per_server(cluster) as held:
+        target = cluster.backends["voicewire-1"]
+        draining = held["voicewire-1"]
+        others = {name: ws for name, ws in held.items() if name != "voicewire-1"}
+        before = [await speak(ws, name, f"Client {name} says hello. It is short.") for name, ws in held.items()]
+
+        # The target's client is mid-reply, as an LLM streams it: one sentence spoken, the next arriving.
+        await send(draining, {"type": "input.text", "text": lines[0] + " The second li"})
+        open_reply = Spoken("voicewire-1")
+        await recv_until(draining, "audio.start", open_reply.got)
+        assert target.proc is not None
+        target.proc.send_signal(signal.SIGTERM)
+        assert target.ready_status() == 503
+
+        # New sessions and requests at once (before HAProxy's next check: the server's 503 is retried on
+        # another), and again once HAProxy has taken the server out.
+        during = await new_sessions(cluster, 3)
+        requests = await speech_requests(cluster, 2)
+        await until(lambda: cluster.states()["voicewire-1"].startswith("DOWN"), "HAProxy to take voicewire-1 out")
+        during += await new_sessions(cluster, 3)
+        requests += await speech_requests(cluster, 2)
+        assert target.running, "the server stays up while its session has an utterance open"
+        elsewhere = [await speak(ws, name, f"Client {name} goes on.") for name, ws in others.items()]
+
+        # The open reply is finished where it started, then the session is closed (1001).
+        await send(draining, {"type": "input.text", "text": "ne is too. " + lines[2]})
+        await send(draining, {"type": "input.done"})
+        await recv_until(draining, "session.done", open_reply.got)
+        assert await closed_code(draining) == 1001
+    assert target.proc.wait(30) == 0
+
+    # The client opens a new session for its next reply: it lands on another server.
+    async with session(cluster) as (ws, server):
+        after = await speak(ws, server, "The reply after the drain.")
+
+    assert all(s.finished for s in [*before, *during, *elsewhere, open_reply, after])
+    assert open_reply.sentences == lines, "the utterance open at SIGTERM was finished whole, on the same server"
+    assert "voicewire-1" not in {s.server for s in [*during, after]}
+    assert [r.status_code for r in requests] == [200] * 4
+    assert "voicewire-1" not in {r.headers[SERVED_BY] for r in requests}
+
+
+async def test_a_killed_servers_clients_see_the_connection_end_and_new_sessions_go_to_the_others(
+        cluster: Cluster) -> None:
+    await cluster.all_up()
+    async with one_session_per_server(cluster) as held, AsyncExitStack() as stack:
+        target = cluster.backends["voicewire-2"]
+        victim = held["voicewire-2"]
+        # And the Python client (it resumes by itself) on the same server.
+        client = None
+        for _ in range(3 * len(NAMES)):
+            opened = await stack.enter_async_context(client_connect(cluster.ws_url, token=KEY))
+            if (await opened.configure(**SESSION)).session_id.startswith("voicewire-2."):
+                client = opened
+                break
+        assert client is not None, "no Python client session reached voicewire-2"
+        await send(victim, {"type": "input.text", "text": "One line here. Another line there. A last line."})
+        await send(victim, {"type": "input.done"})
+        await client.send_text(" ".join(f"Line number {n} is long enough to be still speaking." for n in range(8)))
+        await client.done()
+        first_audio = asyncio.Event()
+        listening = asyncio.create_task(hear(client, first_audio))
+        cut = await recv_until(victim, "audio.start")
+        await first_audio.wait()
+        assert target.proc is not None
+        target.proc.kill()
+        # No hang: the balancer ends the client's connection as soon as the server's is gone (long before
+        # any timeout). A dead server sends no close frame, so the client sees 1006 and opens a new session.
+        assert await closed_code(victim, timeout=30) is None
+        assert cut.of("audio.start") and not cut.of("error")
+        # The Python client tries to resume; the balancer sends the resume to a live server, which has no
+        # such session: the client yields that refusal and its session ends (no hang, no retry loop).
+        heard = await asyncio.wait_for(listening, 30)
+        assert [e.code for e in heard.errors] == ["resume_unknown"] and heard.done is None, heard.errors
+        assert client.closed and client.reconnects == 0
+
+        # Sessions on the other servers go on; new ones go to them, at once and after HAProxy noticed.
+        survivors = [await speak(ws, name, f"Client {name} is fine.")
+                     for name, ws in held.items() if name != "voicewire-2"]
+        at_once = await new_sessions(cluster, 3)
+        await until(lambda: cluster.states()["voicewire-2"].startswith("DOWN"), "HAProxy to take voicewire-2 out")
+        later = await new_sessions(cluster, 3)
+        requests = await speech_requests(cluster, 2)
+        # A resume of a session of the dead server reaches a live one, which knows no such session.
+        url = f"{cluster.ws_url}?session_id=voicewire-2.sess_000000"
+        async with websockets.connect(url, additional_headers=AUTH) as resuming:
+            await send(resuming, {"type": "session.resume", "session_id": "voicewire-2.sess_000000",
+                                  "token": "vwr_x", "seq": 0})
+            refused = (await recv_until(resuming, "error")).of("error")
+            assert resuming.response is not None and resuming.response.headers[SERVED_BY] != "voicewire-2"
+        assert refused[0]["code"] == "resume_unknown", refused
+    assert all(s.finished for s in [*survivors, *at_once, *later])
+    assert "voicewire-2" not in {s.server for s in [*at_once, *later]} | {r.headers[SERVED_BY] for r in requests}
+    assert [r.status_code for r in requests] == [200, 200]
