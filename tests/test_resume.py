@@ -292,6 +292,7 @@ async def test_wrong_token_and_unknown_session_are_refused_and_the_session_still
     await client.send({"type": "input.text", "text": "Still here."})
     await client.send({"type": "input.done"})
     assert await client.receive_until("session.done")
+    await _close(client, proxy)  # the taken-over and refused connections included
     await proxy.__aexit__()
 
 
@@ -311,6 +312,7 @@ async def test_a_second_resume_takes_over_and_the_first_connection_is_told_why(s
     await client.send({"type": "input.text", "text": "Second socket."})
     await client.send({"type": "input.done"})
     assert await client.receive_until("session.done")
+    await _close(client, proxy)  # the taken-over and refused connections included
     await proxy.__aexit__()
 
 
