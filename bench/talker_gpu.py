@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = TalkerEngine(config)
     sessions = 2 * top + 8
     server = ServerThread(Settings(engine="talker", max_sessions=sessions, max_sessions_per_ip=sessions,
-                                   admission_utilization=0.0), engine)
+                                   admission_utilization=0.0), engine, start_timeout_s=900)
     server.call(lambda: _until_ready(server), timeout=900)
     started_s = time.perf_counter() - began
     codec = engine._codec
