@@ -130,6 +130,10 @@ def test_keys_are_never_logged(secured: ServerThread, caplog: pytest.LogCaptureF
     caplog.set_level(logging.DEBUG)
     http(f"{secured.http_url}/v1/models", "leaky-secret-value")
     http(f"{secured.http_url}/v1/models", KEY)
+    deadline = time.monotonic() + 10
+    while caplog.text.count("/v1/models") < 2 and time.monotonic() < deadline:  # the access log is written
+        time.sleep(0.05)                                                       # after the response
+    assert caplog.text.count("/v1/models") >= 2, caplog.text  # both requests were logged, so this checks them
     assert "leaky-secret-value" not in caplog.text and KEY not in caplog.text
 
 
