@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from voicewire.realtime.settings import Settings
-from voicewire_client import AudioData, AudioWords, SessionDone
+from voicewire_client import AudioData, AudioWords, Session, SessionDone
 from voicewire_client import connect as client_connect
 from voicewire_client.session import ACK_EVERY_BYTES
 from websockets.asyncio.client import ClientConnection
@@ -352,6 +352,17 @@ async def test_a_client_that_never_acknowledges_keeps_disconnect_is_cancel(serve
 
 
 
+async def _audio_until_done(session: Session) -> bytes:
+    """The audio `session` yields up to its utterance's `session.done`."""
+    audio = b""
+    async for item in session:
+        if isinstance(item, AudioData):
+            audio += item.data
+        elif isinstance(item, SessionDone):
+            break
+    return audio
+
+
 async def test_the_python_client_resumes_by_itself_and_yields_every_frame_once(server: ServerThread) -> None:
     deltas = _deltas(TEXT)
     reference = await _reference_of(server, deltas)
@@ -361,12 +372,7 @@ async def test_the_python_client_resumes_by_itself_and_yields_every_frame_once(s
         for delta in deltas:
             await session.send_text(delta)
         await session.done()
-        audio = b""
-        async for event in session:
-            if isinstance(event, AudioData):
-                audio += event.data
-            elif isinstance(event, SessionDone):
-                break
+        audio = await _audio_until_done(session)
         assert proxy.cut.is_set() and session.reconnects == 1
         assert audio == reference.audio()
 
@@ -496,12 +502,7 @@ async def test_the_python_client_acks_often_enough_for_a_small_replay_buffer(nar
         await session.configure(**CONFIG)
         await session.send_text("Hi.")
         await session.done()
-        audio = b""
-        async for item in session:
-            if isinstance(item, AudioData):
-                audio += item.data
-            elif isinstance(item, SessionDone):
-                break
+        audio = await _audio_until_done(session)
         assert session.reconnects == 0
     assert narrow_server.settings.replay_buffer_bytes < len(audio) < ACK_EVERY_BYTES
 
