@@ -74,21 +74,16 @@ def binary_frames_per_unit(got: Received) -> list[list[int]]:
     return units
 
 
-def expected_chunks(frames: int, initial: int) -> list[int]:
-    """Samples in each chunk of a unit under the default policy, derived by hand from the schedule:
-    chunk sizes initial, then half the frames already sent (at least 1, at most 16), each exactly its
-    frames; the final chunk takes what is left."""
-    sizes, sent = [initial], initial
-    while True:
-        size = min(max(sent // 2, 1), 16)
-        lookahead = 1 if sent >= 2 else 0
-        if sent + size + lookahead > frames:
-            break
-        sizes.append(size)
-        sent += size
-    if sent < frames:
-        sizes.append(frames - sent)
-    return [n * F for n in sizes]
+def paced_chunks_ok(chunks: list[int], frames: int, initial: int) -> bool:
+    """`chunks` (samples per chunk of one unit) are a schedule the default policy can cut: the first holds
+    exactly `initial` frames, every chunk whole frames, at most the steady size and the lookahead, and all
+    of them exactly the unit's frames, each once. Which sizes come after the first depends on the talker's
+    measured pace on this machine (the ramp when it runs slower than real time, earlier or larger cuts when
+    it is faster); `tests/test_talker_codec.py` pins the ramp and the paced cuts themselves."""
+    policy = ChunkPolicy()
+    limit = (policy.steady_frames + policy.lookahead_frames) * F
+    return (chunks[0] == initial * F and all(0 < c <= limit and c % F == 0 for c in chunks)
+            and sum(chunks) == frames * F)
 
 
 def test_prompts_are_orpheus_prompts(talker_server: ServerThread) -> None:
@@ -129,7 +124,7 @@ async def test_websocket_session_streams_ramped_chunks_in_unit_order(talker_serv
     for sentence, chunks in zip(["Hello there.", "How are you today?"], units, strict=True):
         frames = engine(talker_server).unit_frames(sentence)
         assert chunks[0] == 2 * F, "the first chunk holds exactly the 2 configured frames"
-        assert chunks == expected_chunks(frames, initial=2)
+        assert paced_chunks_ok(chunks, frames, initial=2), chunks
         assert sum(chunks) == frames * F
     done = got.of("session.done")[0]
     assert done["total_sentences"] == 2
@@ -180,7 +175,7 @@ async def test_concurrent_sessions_share_batched_talker_steps_and_codec_batches(
 
     chunks = await asyncio.gather(*(speak(i) for i in range(sessions)))
     frames = engine(talker_server).unit_frames("Four voices speak at once.")
-    assert all(c == expected_chunks(frames, initial=1) for c in chunks)
+    assert all(paced_chunks_ok(c, frames, initial=1) for c in chunks), chunks
     after = engine(talker_server).stats
     assert after.steps.peak_running >= sessions, "one vLLM step ran every session's request"
     assert after.steps.batched_steps > before.steps.batched_steps
