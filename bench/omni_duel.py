@@ -78,6 +78,11 @@ request, each with `max_new_tokens` frames, so only a text that is one unit gets
 vllm-omni's one request (`main` checks it with voicewire's segmenter)."""
 VOICE: Final = "vivian"
 SERVERS: Final = ("vllm-omni", "voicewire")
+TASK_TYPES: Final = ("CustomVoice", "VoiceDesign", "Base")
+"""Qwen3-TTS's three checkpoints, one task type each (`--task-types`): each gets its own model folder and
+server; CustomVoice speaks as `VOICE`, VoiceDesign from `INSTRUCTIONS`, Base clones `reference_wav()`."""
+INSTRUCTIONS: Final = "A calm, warm voice, speaking clearly at an even pace."
+REF_TEXT: Final = "This is the reference recording for the cloned voice."
 MODES: Final = ("ws", "rest")
 SETTLE_S: Final = 0.3
 """Pause between the last session's config and `input.done`, so both servers have taken every config."""
@@ -105,13 +110,14 @@ CODEC_DECODER_12HZ: Final[dict[str, Any]] = {
 
 # -- model folder and stage config --------------------------------------------------------------------
 
-def write_model(folder: Path, shape: str) -> Path:
-    """A random-weight Qwen3-TTS CustomVoice folder: voicewire's tiny test model, or (`1.7b`) the same
-    folder with the released 1.7B model's widths and depths; either way without a codec stop token, so
-    that every request runs to its `max_new_tokens`."""
-    from voicewire.adapters.omni_testing import write_qwen3_tts
+def write_model(folder: Path, shape: str, task_type: str = "CustomVoice") -> Path:
+    """A random-weight Qwen3-TTS folder of `task_type`'s checkpoint: voicewire's tiny test model, or
+    (`1.7b`) the same folder with the released 1.7B model's widths and depths; either way without a codec
+    stop token, so that every request runs to its `max_new_tokens`."""
+    from voicewire.adapters.omni_testing import ModelKind, write_qwen3_tts
 
-    write_qwen3_tts(folder, "custom_voice")
+    kinds: dict[str, ModelKind] = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
+    write_qwen3_tts(folder, kinds[task_type])
     config = json.loads((folder / "config.json").read_text())
     config["talker_config"]["codec_eos_token_id"] = -1
     if shape == "tiny":
@@ -161,6 +167,44 @@ def write_deploy_config(base: Path, out: Path, *, max_num_seqs: int, gpu_share: 
     return out
 
 
+def reference_wav(seconds: float = 3.0, rate: int = 24000) -> bytes:
+    """A 16-bit mono WAV to clone (Base): a gliding tone with a little noise (fixed seed). With random
+    weights any waveform serves; WAV because the GPU machine's PyAV stand-in decodes only that."""
+    import io
+    import wave
+
+    import numpy as np
+
+    t = np.arange(int(seconds * rate)) / rate
+    noise = np.random.default_rng(7).standard_normal(t.size)
+    signal = 0.4 * np.sin(2 * np.pi * (140 + 60 * t) * t) + 0.02 * noise
+    out = io.BytesIO()
+    with wave.open(out, "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(rate)
+        wav.writeframes((signal * 32767).astype("<i2").tobytes())
+    return out.getvalue()
+
+
+def task_fields(task_type: str) -> dict[str, Any]:
+    """The request fields that select `task_type`'s voice (see `TASK_TYPES`)."""
+    if task_type == "CustomVoice":
+        return {"voice": VOICE}
+    if task_type == "VoiceDesign":
+        return {"task_type": "VoiceDesign", "instructions": INSTRUCTIONS}
+    import base64
+
+    reference = "data:audio/wav;base64," + base64.b64encode(reference_wav()).decode()
+    return {"task_type": "Base", "ref_audio": reference, "ref_text": REF_TEXT}
+
+
+def server_name(server: str, task_type: str) -> str:
+    """`server` for CustomVoice (the duel's names, which `--report` joins and compares), else
+    `server/task_type`."""
+    return server if task_type == "CustomVoice" else f"{server}/{task_type}"
+
+
 def sample_rate(model: Path) -> int:
     return int(json.loads((model / "speech_tokenizer" / "config.json").read_text())["output_sample_rate"])
 
@@ -171,10 +215,13 @@ class Server:
     """One server's process tree (its own process group, so its stage processes stop with it), its log in
     `log_dir`, vLLM's compile cache in `cache_dir`, on a free loopback port."""
 
-    def __init__(self, name: str, model: Path, deploy: Path, log_dir: Path, cache_dir: Path, concurrency: int) -> None:
+    def __init__(self, name: str, kind: str, model: Path, deploy: Path, log_dir: Path, cache_dir: Path,
+                 concurrency: int, fields: dict[str, Any]) -> None:
         self.name = name
+        self.fields = fields
+        """The request fields of this server's task type (`task_fields`)."""
         self.port = free_port()
-        if name == "vllm-omni":
+        if kind == "vllm-omni":
             command = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", str(model), "--omni",
                        "--deploy-config", str(deploy), "--host", "127.0.0.1", "--port", str(self.port)]
             self.ready_path = self.failed_path = "/health"
@@ -185,10 +232,10 @@ class Server:
                        "--host", "127.0.0.1", "--port", str(self.port), "--max-sessions", sessions,
                        "--admission-utilization", "0", "--no-auth", "--log-level", "WARNING"]
             self.ready_path, self.failed_path = "/ready", "/health"
-        self.log_path = log_dir / f"{name}.log"
+        self.log_path = log_dir / f"{name.replace('/', '-')}.log"
         self._log = self.log_path.open("wb")
-        env = {**os.environ, "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"),
-               "VLLM_CACHE_ROOT": str(cache_dir / f"vllm-cache-{name}")}  # no two compilers share a cache
+        cache = cache_dir / f"vllm-cache-{name.replace('/', '-')}"  # no two compilers share a cache
+        env = {**os.environ, "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"), "VLLM_CACHE_ROOT": str(cache)}
         self.began = time.perf_counter()
         # a process group of its own (not a session: a machine that ends leftover sessions' processes still can)
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env, process_group=0)
@@ -365,7 +412,7 @@ def figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def report(results: dict[str, Any], servers: Sequence[str]) -> str:
-    """The per-server table and, with both servers, the ratio table."""
+    """The per-server table and, with both duel servers (CustomVoice), the ratio table."""
     lines = []
     rows, ratios = [], []
     for mode in MODES:
@@ -378,7 +425,7 @@ def report(results: dict[str, Any], servers: Sequence[str]) -> str:
                              " ".join(f"{s}/{conc}" for s in f["stalled"]),
                              " ".join(f"{s:.2f}" for s in f["stall_s"]), spread(f["audio_s_per_wall_s"], "{:.1f}"),
                              spread(f["audio_s"], "{:.2f}"), sum(f["errors"])])
-            if len(per) == 2:
+            if "voicewire" in per and "vllm-omni" in per:
                 ours, theirs = per["voicewire"], per["vllm-omni"]
                 ratios.append([mode, conc, *(_ratio(ours[key], theirs[key]) for key in
                                              ("ttfa_p50", "ttfa_p95", "stalled", "stall_s", "audio_s_per_wall_s"))])
@@ -427,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=150, help="codec frames per request (80 ms each), forced")
     parser.add_argument("--servers", default=",".join(SERVERS), help="which servers, comma-separated")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--task-types", default="CustomVoice",
+                        help=f"Qwen3-TTS checkpoints, comma-separated, from {', '.join(TASK_TYPES)}: each a model "
+                             "folder and a server of each of --servers (CustomVoice keeps the duel's server names)")
     parser.add_argument("--split-granularity", default="none")
     parser.add_argument("--deploy-config", type=Path, default=None,
                         help="base stage config (default: vllm-omni's own on a GPU, voicewire's CPU one on a CPU)")
@@ -447,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, server in joined["servers"].items():
             print(f"{name}: " + (f"ready in {server['ready_s']:.0f} s" if "ready_s" in server
                                  else f"did not start: {server.get('error')}"))
-        print(report(joined, [name for name in SERVERS if name in joined["servers"]]), flush=True)
+        print(report(joined, sorted(joined["servers"], key=lambda name: (name not in SERVERS, name))), flush=True)
         return 0
     began = time.perf_counter()
     segmenter = Segmenter("sentence")
@@ -458,33 +508,38 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if not set(servers) <= set(SERVERS) or not set(modes) <= set(MODES):
         parser.error(f"--servers from {', '.join(SERVERS)}, --modes from {', '.join(MODES)}")
+    task_types = [t for t in args.task_types.split(",") if t]
+    if not set(task_types) <= set(TASK_TYPES):
+        parser.error(f"--task-types from {', '.join(TASK_TYPES)}")
     root = Path(tempfile.mkdtemp(prefix="omni-duel-"))
     logs = args.out or root
     logs.mkdir(parents=True, exist_ok=True)
-    model = write_model(root / "model", args.shape)
+    models = {task: write_model(root / f"model-{task}", args.shape, task) for task in task_types}
     base = args.deploy_config or default_deploy_config()
     deploy = write_deploy_config(base, root / "deploy.yaml", max_num_seqs=max(levels),
                                  gpu_share=args.gpu_share, kv_cache_gib=args.kv_cache_gib)
-    rate = sample_rate(model)
-    fields = {"voice": VOICE, "response_format": "pcm", "max_new_tokens": args.frames}
+    rate = sample_rate(models[task_types[0]])
+    fields = {"response_format": "pcm", "max_new_tokens": args.frames}
     results: dict[str, Any] = {"shape": args.shape, "frames": args.frames, "text_chars": len(TEXT), "rate": rate,
                                "deploy_base": str(base), "deploy": deploy.read_text(), "levels": [], "servers": {}}
-    print(f"model {args.shape} at {model}; stage config {base} -> {deploy}", flush=True)
-    groups = [[name] for name in servers] if args.sequential else [servers]
+    print(f"model {args.shape}, {', '.join(task_types)} at {root}; stage config {base} -> {deploy}", flush=True)
+    specs = {server_name(kind, task): (kind, task) for task in task_types for kind in servers}
+    groups = [[name] for name in specs] if args.sequential else [list(specs)]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: stop the servers, print what ran
     try:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
             for group in groups:
-                started = {name: Server(name, model, deploy, logs, root, max(levels)) for name in group}
+                started = {name: Server(name, specs[name][0], models[specs[name][1]], deploy, logs, root, max(levels),
+                                        {**fields, **task_fields(specs[name][1])}) for name in group}
                 try:
                     running = start(started, args.start_timeout, results)
-                    duel(clients, running, levels, modes, args, fields, rate, results, began)
+                    duel(clients, running, levels, modes, args, rate, results, began)
                 finally:
                     stop_all(list(started.values()))
     finally:
         if args.out is not None:
             (args.out / "omni_duel.json").write_text(json.dumps(results, indent=1))
-        print(report(results, servers), flush=True)
+        print(report(results, list(specs)), flush=True)
     return 1 if any("error" in server for server in results["servers"].values()) else 0  # one did not start
 
 
@@ -504,11 +559,14 @@ def start(started: dict[str, Server], timeout: float, results: dict[str, Any]) -
 
 
 def duel(clients: ProcessPoolExecutor, running: dict[str, Server], levels: list[int], modes: list[str],
-         args: argparse.Namespace, fields: dict[str, Any], rate: int, results: dict[str, Any], began: float) -> None:
+         args: argparse.Namespace, rate: int, results: dict[str, Any], began: float) -> None:
     """Round 1 at every level, then round 2 at every level, and so on, so a budget cut leaves every level
     measured; a level's first visit starts with its warm-up. Within a round: each mode, the servers in turn."""
     by_conc = {level["concurrency"]: level for level in results["levels"]}
-    wire = {"ws": {**fields, "split_granularity": args.split_granularity}, "rest": fields}
+
+    def wire(server: Server, mode: str) -> dict[str, Any]:
+        return {**server.fields, "split_granularity": args.split_granularity} if mode == "ws" else server.fields
+
     for round_ in range(args.rounds):
         for number, conc in enumerate(levels):
             if args.budget_s is not None and time.perf_counter() - began > args.budget_s:
@@ -520,11 +578,12 @@ def duel(clients: ProcessPoolExecutor, running: dict[str, Server], levels: list[
             if round_ == 0:
                 for mode in modes if number == 0 else modes[:1]:
                     for server in running.values():
-                        clients.submit(run_clients, mode, server.url(mode), conc, wire[mode], TEXT, 0).result()
+                        clients.submit(run_clients, mode, server.url(mode), conc, wire(server, mode), TEXT, 0).result()
             seed0 = 1000 * (args.rounds * number + round_ + 1)
             for mode in modes:
                 for name, server in running.items():
-                    got = clients.submit(run_clients, mode, server.url(mode), conc, wire[mode], TEXT, seed0).result()
+                    got = clients.submit(run_clients, mode, server.url(mode), conc, wire(server, mode), TEXT,
+                                         seed0).result()
                     measured = measure(got, rate)
                     level["rounds"][mode].setdefault(name, []).append(measured)
                     errors, ttfa = measured["errors"], percentile(measured["ttfa_ms"], 50)
