@@ -70,6 +70,7 @@ from voicewire.protocol.engine import (
     SynthesisRequest,
     TokenCounts,
     WordSpan,
+    failure_of,
 )
 
 log = logging.getLogger("voicewire.workers")
@@ -89,7 +90,13 @@ class EngineWorkerDied(EngineWorkerLost):
 
 
 class EngineWorkerError(EngineError):
-    """The engine in a worker raised; the message is the worker's exception text."""
+    """The engine in a worker raised; the message is the worker's exception text and `code` the code
+    `failure_of` gave that exception in the worker, so a unit fails with the same code in a worker as
+    in-process."""
+
+    def __init__(self, reason: str, code: str) -> None:
+        super().__init__(reason)
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,10 +217,12 @@ class Done(msgspec.Struct, frozen=True, tag=True):
 
 
 class Failed(msgspec.Struct, frozen=True, tag=True):
-    """The engine raised for request `rid`; `reason` is the exception's text."""
+    """The engine raised for request `rid`; `reason` is the exception's text, `code` its error code
+    (`failure_of`: an `EngineError`'s own, else `generation_failed`)."""
 
     rid: str
     reason: str
+    code: str
 
 
 class Cancelled(msgspec.Struct, frozen=True, tag=True):
@@ -396,9 +405,9 @@ class ProcessEngine:
                     case Done():
                         outcome = "completed"
                         return
-                    case Failed(reason=reason):
+                    case Failed(reason=reason, code=code):
                         outcome = "failed"
-                        raise EngineWorkerError(reason)
+                        raise EngineWorkerError(reason, code)
                     case _Lost(reason=reason):
                         outcome = "failed"
                         raise EngineWorkerDied(reason)
@@ -736,7 +745,8 @@ async def _serve_with(conn: Connection, send: Callable[[_Outgoing], None], build
         except asyncio.CancelledError:
             pass
         except Exception as exc:
-            send(Failed(rid, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__))
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            send(Failed(rid, reason, failure_of(exc)[0]))
         finally:
             tasks.pop(rid, None)
 

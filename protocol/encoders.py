@@ -31,7 +31,7 @@ import numpy as np
 import soundfile as sf
 from av.audio.stream import AudioStream
 from av.container import OutputContainer
-from voicewire.protocol.audio import CONTENT_TYPES, AudioFormat, codec_rate, encode_pcm16, wav_header
+from voicewire.protocol.audio import CONTENT_TYPES, AudioFormat, RawFormat, codec_rate, encode_pcm16, wav_header
 
 RestFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 REST_FORMATS: Final[tuple[str, ...]] = get_args(RestFormat)
@@ -68,7 +68,7 @@ class StreamEncoder(Protocol):
 class RawEncoder:
     """Headerless samples: s16 PCM passes through, `mulaw`/`alaw` are re-encoded sample by sample."""
 
-    def __init__(self, fmt: Literal["pcm", "mulaw", "alaw"], sample_rate: int) -> None:
+    def __init__(self, fmt: RawFormat, sample_rate: int) -> None:
         self.format: AudioFormat = fmt
         self._raw = fmt
         self.sample_rate = sample_rate

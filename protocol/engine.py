@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 import numpy as np
@@ -261,10 +261,11 @@ class EngineInfo:
 class EngineError(Exception):
     """A unit the engine could not synthesize. `code` is the stable error code clients get for it (the
     WebSocket `error` event's `code`, REST's `error.code`); the message is for humans. Engines raise
-    subclasses; any other exception out of an engine is a bug of the engine and reported as
-    `generation_failed` too (`failure_of`)."""
+    subclasses, each naming its code as a class attribute (an error relayed from a worker process carries
+    the original's code on the instance); any other exception out of an engine is a bug of the engine and
+    reported as `generation_failed` too (`failure_of`)."""
 
-    code: ClassVar[str] = "generation_failed"
+    code: str = "generation_failed"
 
 
 class EngineWorkerLost(EngineError):

@@ -36,7 +36,7 @@ from typing import Final
 import av
 import numpy as np
 from av.audio.resampler import AudioResampler
-from numpy.typing import NDArray
+from voicewire.protocol.engine import FloatAudio
 
 __all__ = [
     "ACCEPTED",
@@ -111,7 +111,7 @@ class MediaError(Exception):
 class DecodedAudio:
     """Mono float32 samples, their rate, and the container they came in."""
 
-    samples: NDArray[np.float32]
+    samples: FloatAudio
     sample_rate: int
     container: Container
 
@@ -180,7 +180,7 @@ def _decode(data: bytes, container: Container, max_seconds: float, cpu_budget_s:
         if out_rate <= 0:
             raise _not_audio()
         resampler = AudioResampler(format="flt", layout="mono", rate=out_rate)
-        parts: list[NDArray[np.float32]] = []
+        parts: list[FloatAudio] = []
         seconds = 0.0
         for packet in source.demux(stream):
             if time.thread_time() > cpu_deadline:
@@ -205,7 +205,7 @@ def _check_frame(rate: int, channels: int) -> None:
         raise MediaError("invalid_audio", f"has {channels} channels (accepted: 1 to {MAX_CHANNELS})")
 
 
-def _mono(frame: av.AudioFrame) -> NDArray[np.float32]:
+def _mono(frame: av.AudioFrame) -> FloatAudio:
     return np.asarray(frame.to_ndarray(), dtype=np.float32).reshape(-1)
 
 

@@ -303,7 +303,7 @@ class SessionRuntime:
         self.ctx.resumes.ended(self.session_id, self._end_reason(), time.monotonic())
         if self._expiry is not None:
             self._expiry.cancel()
-        self._cancel_everything()
+        self._stop_units()
         writer = self._writer_task
         conn = self._conn
         try:
@@ -477,18 +477,15 @@ class SessionRuntime:
 
     def _internal_error(self) -> None:
         """A bug of ours: say so, end the session with 1011; the server and other sessions carry on."""
-        self._cancel_everything()
+        self._terminate(Close(CLOSE_INTERNAL_ERROR, "internal error"))
         self.output.emit(ErrorEvent(message="Internal server error; the session is closed", code="internal_error",
                                     fatal=True))
-        self._close = Close(CLOSE_INTERNAL_ERROR, "internal error")
-        self._wake.set()
 
     def _on_writer_done(self, writer: asyncio.Task[None]) -> None:
         if writer.cancelled() or writer.exception() is None:
             return
         log.error("session %s: writer failed", self.session_id, exc_info=writer.exception())
-        self._close = Close(CLOSE_INTERNAL_ERROR, "internal error")
-        self._cancel_everything()
+        self._terminate(Close(CLOSE_INTERNAL_ERROR, "internal error"))
         conn = self._conn
         if conn is not None and conn.reader is not None:
             conn.reader.cancel()
@@ -568,10 +565,7 @@ class SessionRuntime:
                     self.output.cancel_utterance(index, context_id)
                     self._settle()
                 case Close():
-                    self._close = action
-                    self.output.close()
-                    self._settle()
-                    self._control_room.set()
+                    self._terminate(action, announce=True)
         if actions:
             self._wake.set()
 
@@ -583,9 +577,21 @@ class SessionRuntime:
             if out.first_audio_ms is not None:
                 self.ctx.metrics.ttfa.labels("ws").observe(out.first_audio_ms / 1000.0)
 
-    def _cancel_everything(self) -> None:
-        """Stop every unit, saying nothing (the session is ending)."""
-        self.output.close(announce=False)
+    def _terminate(self, close: Close, *, announce: bool = False) -> None:
+        """Begin the session's end, the one path for every cause (a `Close` action of the machine, server
+        shutdown through it, a bug of ours, a writer that failed, a client lost or stalled): record `close`
+        (the code and reason the socket closes with; the reader takes no further message), stop every unit,
+        and wake the reader and the writer. With `announce`, started units still get their `audio.done`;
+        without, nothing more is said of them. Control events already queued stay. `_end` finishes the job
+        (the writer's last flush, the socket's close, `on_end`)."""
+        self._close = close
+        self._stop_units(announce=announce)
+        self._control_room.set()
+        self._wake.set()
+
+    def _stop_units(self, *, announce: bool = False) -> None:
+        """Stop every unit; with `announce`, started ones get their `audio.done` (error)."""
+        self.output.close(announce=announce)
         self._settle()
 
     # -- writer ---------------------------------------------------------------------------------
@@ -689,9 +695,8 @@ class SessionRuntime:
             conn.reader.cancel()
         if self._resumable():
             return  # the reader's end detaches the session
-        self._close = (Close(CLOSE_POLICY, "client stalled: not reading") if stalled
-                       else Close(1006, "connection lost"))
-        self._cancel_everything()
+        self._terminate(Close(CLOSE_POLICY, "client stalled: not reading") if stalled
+                        else Close(1006, "connection lost"))
         self.output.discard_events()
         if stalled:
             self.ctx.spawn(_close_stalled(conn.ws), f"{self.session_id}-stalled")

@@ -3,6 +3,7 @@
 `FaultInjectingEngine` wraps a real engine and passes every request through, except those whose text
 carries a marker:
 `[raise]` yields the real engine's first piece and then raises; `[raise-first]` raises before any audio;
+`[raise-typed]` raises `InjectedEngineError`, an `EngineError` with a code of its own, before any audio;
 `[hang]` yields nothing and never finishes until cancelled; `[burn]` spins a core on a thread that no cancel
 stops (like a native text-processing stage) for `BURN_S`, for worker-process tests only. The marker is removed
 from the text the real engine sees. `hung_cancelled` counts hung requests that were cancelled (observable
@@ -22,13 +23,19 @@ from pathlib import Path
 from msgspec.structs import replace
 from voicewire.adapters.base import Engine
 from voicewire.adapters.hibari import HibariEngine
-from voicewire.protocol.engine import AudioPiece, EngineInfo, SynthesisRequest
+from voicewire.protocol.engine import AudioPiece, EngineError, EngineInfo, SynthesisRequest
 
 BURN_S = 600.0
 
 
 class InjectedFault(RuntimeError):
     pass
+
+
+class InjectedEngineError(EngineError):
+    """A typed engine failure, as an engine would define one: clients get its own `code`."""
+
+    code = "injected_engine_error"
 
 
 class FaultInjectingEngine:
@@ -63,6 +70,8 @@ class FaultInjectingEngine:
                 raise
         if "[burn]" in text:
             await asyncio.to_thread(_burn, BURN_S)
+        if "[raise-typed]" in text:
+            raise InjectedEngineError("injected typed engine error")
         if "[raise-first]" in text:
             raise InjectedFault("injected engine fault before any audio")
         clean = replace(request, text=text.replace("[raise]", ""))

@@ -21,7 +21,7 @@ import websockets
 from voicewire.adapters.workers import PoolHealth, ProcessEngine, WorkerStats, WorkerTimings
 from voicewire.realtime.settings import Settings
 
-from tests.faults import fault_injecting_hibari
+from tests.faults import InjectedEngineError, fault_injecting_hibari
 from tests.server import ServerThread
 from tests.wsclient import configure, recv_until, send
 
@@ -240,6 +240,21 @@ async def test_a_unit_past_its_deadline_whose_work_cannot_stop_gets_its_worker_r
         assert len(children()) == 1
         replaced = await speak(srv, "The replacement speaks.")
         assert ok(replaced), [e for e in replaced if e["type"] in ("error", "audio.done")]
+    finally:
+        srv.stop()
+
+
+async def test_a_typed_engine_error_in_a_worker_reaches_the_client_with_its_own_code() -> None:
+    srv = ServerThread(Settings(), engine=ProcessEngine("hibari", workers=1, build=fault_injecting_hibari,
+                                                        timings=QUICK))
+    try:
+        (pid,) = children()
+        events = await speak(srv, "This one [raise-typed] fails. This one speaks.")
+        errors = [e for e in events if e["type"] == "error"]
+        assert [(e["code"], e["fatal"]) for e in errors] == [(InjectedEngineError.code, False)], errors
+        assert "injected typed engine error" in errors[0]["message"]
+        assert [d["error"] for d in events if d["type"] == "audio.done"] == [True, False]
+        assert list(children()) == [pid], "an engine error is not a worker fault"
     finally:
         srv.stop()
 
