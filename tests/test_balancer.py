@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,15 +83,16 @@ class Backend(Loopback):
 
 
 class Cluster(Loopback):
-    """Three servers sharing a voices directory and a key file, and HAProxy in front of them."""
+    """Three servers sharing a voices directory and a key file, and HAProxy in front of them; each server runs
+    the engine `engine_args` describe (default hibari, one worker), all started at once."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, engine_args: Sequence[str] = ("--engine-workers", "1")) -> None:
         assert HAPROXY is not None, "haproxy is not installed (apt-get install haproxy)"
         self.root = root
         self.voices = root / "voices"
         keys = root / "keys"
         keys.write_text(f"# the balancer test's key\n{KEY}\n")
-        args = ["--engine-workers", "1", "--voices-dir", str(self.voices), "--api-keys-file", str(keys),
+        args = [*engine_args, "--voices-dir", str(self.voices), "--api-keys-file", str(keys),
                 "--trust-forwarded-for"]
         self.backends = {name: Backend(name, free_port(), root / f"{name}.log", [*args, "--server-id", name])
                          for name in NAMES}
@@ -114,13 +115,20 @@ class Cluster(Loopback):
         column = header.index("status")
         return {row[1]: row[column] for row in rows if row[0] == "voicewire" and row[1] in NAMES}
 
-    async def all_up(self) -> None:
-        """Start any server that is not running, then wait until HAProxy routes to all three."""
+    async def all_up(self, timeout: float = 120.0) -> None:
+        """Start any server that is not running, then wait (at most `timeout` s) until HAProxy routes to all
+        three."""
         assert self.haproxy.poll() is None, "haproxy exited; see haproxy.log"
         for backend in self.backends.values():
             if not backend.running:
                 backend.start()
-        await until(lambda: set(self.states().values()) == {"UP"}, "every server UP in HAProxy")
+
+        def up() -> bool:
+            dead = [backend.log.name for backend in self.backends.values() if not backend.running]
+            assert not dead, f"a server exited while starting; see {', '.join(dead)} in {self.root}"
+            return set(self.states().values()) == {"UP"}
+
+        await until(up, "every server UP in HAProxy", timeout)
 
     def stop(self) -> None:
         self.haproxy.terminate()
