@@ -42,6 +42,7 @@ import numpy.typing as npt
 import onnx
 import onnxruntime as ort
 from voicewire.adapters.base import RequestCounts, counted_outcome
+from voicewire.adapters.registry import HIBARI
 from voicewire.protocol.engine import (
     AudioPiece,
     EngineCapabilities,
@@ -241,11 +242,12 @@ class HibariEngine:
             default_voice=voice,
             languages=("en",),
             capabilities=EngineCapabilities(
-                word_timings=True,
+                word_timings=HIBARI.word_timings,
                 voice_cloning=False,
                 speed_range=SPEED_RANGE,
                 streaming="unit",
-                fields=frozenset({"seed"}),
+                fields=HIBARI.fields,
+                values=HIBARI.values,
             ),
             max_concurrency=workers,
         )

@@ -12,6 +12,7 @@ import re
 from collections.abc import AsyncGenerator
 
 import numpy as np
+from voicewire.adapters.registry import NULL
 from voicewire.protocol.engine import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest, WordSpan
 
 SAMPLE_RATE = 24000
@@ -25,8 +26,8 @@ class NullEngine:
     def __init__(self, max_concurrency: int = 64) -> None:
         self._info = EngineInfo(
             name="null", sample_rate=SAMPLE_RATE, voices=("null",), default_voice="null", languages=("en",),
-            capabilities=EngineCapabilities(word_timings=True, voice_cloning=False, speed_range=(0.25, 4.0),
-                                            fields=frozenset({"seed"})),
+            capabilities=EngineCapabilities(word_timings=NULL.word_timings, voice_cloning=False,
+                                            speed_range=(0.25, 4.0), fields=NULL.fields, values=NULL.values),
             max_concurrency=max_concurrency)
         t = np.arange(SAMPLE_RATE, dtype=np.float32) / SAMPLE_RATE
         self._tone = (0.05 * np.sin(2 * np.pi * 220.0 * t)).astype(np.float32)

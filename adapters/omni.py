@@ -48,6 +48,7 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ from typing import Any, Final, cast
 
 import numpy as np
 from voicewire.adapters import omni_compat
+from voicewire.adapters.registry import QWEN3_TTS
 from voicewire.protocol.engine import (
     NO_TOKENS,
     AudioPiece,
@@ -81,16 +83,11 @@ DEFAULT_VOICE: Final = "default"
 
 WARMUP_TEXT: Final = "Warm up."
 
-COMMON_FIELDS: Final = ("seed", "max_new_tokens", "initial_codec_chunk_frames", "non_streaming_mode")
-"""Request fields every Qwen3-TTS checkpoint honours (`non_streaming_mode`: text given whole or streamed
-into the talker's prompt; vllm-omni's default is whole for CustomVoice and VoiceDesign)."""
 DEFAULT_CHUNK_RAMP: Final = (1, 1, 1, 1, 2, 3, 4, 6, 9, 14, 21)
 """Frames in a unit's first chunks (80 ms each): the first as vllm-omni ships it (one frame), then each
 half the frames already sent; past the table every chunk is the stage config's `codec_chunk_frames`. A
 chunk of half the audio sent is ready before that audio has played while the talker runs at 1.5x real
 time or better (doubling chunks would need 2x)."""
-CLONING_FIELDS: Final = ("ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding")
-"""What a Base checkpoint honours besides; the others honour `instructions` instead."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +111,8 @@ class OmniConfig:
     """Random-weight mode: forced length, frames (80 ms each) per character."""
     init_timeout_s: float = 600.0
     codec_chunk_ramp: tuple[int, ...] = DEFAULT_CHUNK_RAMP
+    served_model_names: tuple[str, ...] = ()
+    """More ids clients may name the model by (vllm's `--served-model-name`); see `model_ids`."""
 
     def __post_init__(self) -> None:
         if self.codec_chunk_ramp and (len(self.codec_chunk_ramp) < 2 or min(self.codec_chunk_ramp) < 1):
@@ -159,6 +158,27 @@ def model_type(folder: Path) -> str:
     return str(config.get("model_type", ""))
 
 
+_HUB_SNAPSHOT: Final = re.compile(r"/models--([^/]+?)--([^/]+)/snapshots/[^/]+$")
+_HF_NAME: Final = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def model_ids(config: OmniConfig) -> tuple[str, ...]:
+    """The ids the model is known by (`EngineInfo.model_ids`), as vllm-omni's server names it: its
+    `/v1/models` lists the `--served-model-name`s, or else the `--model` string as given, and its speech
+    routes accept those as `model`. Here: the served names, the model folder as given (always accepted), then
+    the HF-style `org/name` when the folder tells it: a Hugging Face hub cache snapshot
+    (`.../models--org--name/snapshots/REV`, where `hf download` puts a model) or config.json's
+    `_name_or_path` of that form (which a model saved by transformers may carry)."""
+    ids = [*config.served_model_names, config.model]
+    hub = _HUB_SNAPSHOT.search(os.path.abspath(config.model).replace(os.sep, "/"))
+    if hub is not None:
+        ids.append(f"{hub[1]}/{hub[2]}")
+    saved_as = _read_json(Path(config.model) / "config.json").get("_name_or_path")
+    if isinstance(saved_as, str) and _HF_NAME.fullmatch(saved_as):
+        ids.append(saved_as)
+    return tuple(dict.fromkeys(ids))
+
+
 class OmniEngine:
     """vllm-omni's pipeline behind the voicewire `Engine` interface (see the module doc)."""
 
@@ -174,8 +194,9 @@ class OmniEngine:
         self.model = Qwen3TTSModel.read(folder)
         m = self.model
         voices = m.speakers or (DEFAULT_VOICE,)
-        fields = {*COMMON_FIELDS, *(CLONING_FIELDS if m.task_type == "Base" else ("instructions",))}
-        values: dict[str, tuple[object, ...]] = {"task_type": (m.task_type,)}
+        declared = QWEN3_TTS[m.task_type]
+        fields = set(declared.fields)
+        values = dict(declared.values)
         if config.codec_chunk_ramp:  # vllm-omni's ramp decides the first chunk: a request can only match it
             fields.discard("initial_codec_chunk_frames")
             values["initial_codec_chunk_frames"] = (config.codec_chunk_ramp[0],)
@@ -184,7 +205,7 @@ class OmniEngine:
             capabilities=EngineCapabilities(
                 word_timings=False, voice_cloning=m.task_type == "Base", speed_range=(1.0, 1.0), streaming="frame",
                 fields=frozenset(fields), values=values, counts_tokens=True),
-            max_concurrency=config.max_concurrency)
+            max_concurrency=config.max_concurrency, model_ids=model_ids(config))
         self._omni: Any = None
         self._tokenizer: Any = None
         self._deploy_file: str | None = None

@@ -12,12 +12,12 @@ engine (`adapters/omni.py`, which runs on vllm-omni 0.26.0 and 0.30.0), the fami
 `OmniAdapterEngine` (vllm-omni 0.30.0 only: 0.26.0's adapters delegate to private methods of its speech
 server that 0.30.0 moved into the adapters), anything else is refused naming what is served.
 
-What a family's adapter honours is not declared by vllm-omni, so `FAMILIES` names, per family, the request
-fields its adapter reads (checked in the 0.30.0 source); every other field is refused by the capability
-gate before a unit runs. Facts come from the model at start: speakers and languages from the adapter's
-capabilities (`load_capabilities`), the sample rate from the warm-up unit's audio (vllm-omni reports it
-with every chunk). Until `start()` the engine publishes the model-folder defaults: one voice `default`,
-the language `auto`, sample rate 0.
+What a family's adapter honours is not declared by vllm-omni, so each family's `EngineKind` in
+`adapters/registry.py` names the request fields its adapter reads (checked in the 0.30.0 source); every
+other field is refused by the capability gate before a unit runs. Facts come from the model at start:
+speakers and languages from the adapter's capabilities (`load_capabilities`), the sample rate from the
+warm-up unit's audio (vllm-omni reports it with every chunk). Until `start()` the engine publishes the
+model-folder defaults: one voice `default`, the language `auto`, sample rate 0.
 """
 
 from __future__ import annotations
@@ -44,12 +44,21 @@ from voicewire.adapters.omni import (
     OmniEngine,
     audio_chunks,
     lost_with_pipeline,
+    model_ids,
     model_type,
     pipeline_down,
     shut_down,
     written_deploy_config,
 )
-from voicewire.protocol.engine import AudioPiece, EngineCapabilities, EngineInfo, SynthesisRequest, VoiceSample
+from voicewire.adapters.registry import FISH_S2_PRO
+from voicewire.protocol.engine import (
+    AudioPiece,
+    EngineCapabilities,
+    EngineInfo,
+    EngineKind,
+    SynthesisRequest,
+    VoiceSample,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,27 +69,26 @@ class Family:
     """`model_type` in the folder's config.json (vllm-omni's pipeline registry key)."""
     adapter: str
     """The TTS model type vllm-omni detects for its stages (its adapter registry key)."""
-    label: str
-    fields: frozenset[str]
-    """The request fields its adapter (or vllm-omni's request path around it) acts on."""
+    kind: EngineKind
+    """Its name (`variant`) and the request fields its adapter (or vllm-omni's request path around it) acts
+    on (`fields`), declared in `adapters/registry.py`."""
     reads_language: bool
     """Whether its adapter passes `language` to the model; if not, the only language is `auto`."""
     cpu_stage_config: Path
     """The stage config this project ships for vLLM's CPU build."""
 
     @property
+    def label(self) -> str:
+        return self.kind.variant or self.model_type
+
+    @property
     def cloning(self) -> bool:
-        return "ref_audio" in self.fields
+        return "ref_audio" in self.kind.fields
 
 
 FAMILIES: Final = {
     family.model_type: family for family in (
-        # tts_adapters/fish_speech.py: `validate` takes an uploaded voice or ref_audio (+ ref_text, required with
-        # it) and max_new_tokens; `build` reads input, ref_audio, ref_text, max_new_tokens (instructions,
-        # language, speaker_embedding, x_vector_only_mode and task_type are not read); the request path sets
-        # the seed on stage 0.
-        Family("fish_qwen3_omni", "fish_tts", "Fish Speech S2 Pro",
-               frozenset({"ref_audio", "ref_text", "max_new_tokens", "seed"}), reads_language=False,
+        Family("fish_qwen3_omni", "fish_tts", FISH_S2_PRO, reads_language=False,
                cpu_stage_config=CONFIG_DIR / "fish_qwen3_omni_cpu.yaml"),
     )
 }
@@ -115,6 +123,7 @@ class OmniAdapterEngine:
             raise FileNotFoundError(f"omni: stage config {config.stage_config} does not exist")
         self.config = config
         self.family = family
+        self._model_ids = model_ids(config)
         self._info = self._facts(sample_rate=0, speakers=(), languages=("auto",))
         self._omni: Any = None
         self._serving: Any = None
@@ -128,8 +137,8 @@ class OmniAdapterEngine:
             name="omni", sample_rate=sample_rate, voices=voices, default_voice=voices[0], languages=languages,
             capabilities=EngineCapabilities(
                 word_timings=False, voice_cloning=self.family.cloning, speed_range=(1.0, 1.0), streaming="frame",
-                fields=self.family.fields, values={}),
-            max_concurrency=self.config.max_concurrency)
+                fields=self.family.kind.fields, values=self.family.kind.values),
+            max_concurrency=self.config.max_concurrency, model_ids=self._model_ids)
 
     @property
     def info(self) -> EngineInfo:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from voicewire.adapters.base import Engine
+from voicewire.protocol.engine import EngineKind
 
 if TYPE_CHECKING:
     from voicewire.adapters.omni import OmniConfig
@@ -12,9 +13,35 @@ if TYPE_CHECKING:
 
 ENGINE_NAMES = ("hibari", "null", "talker", "omni")
 Isolation = Literal["thread", "process"]
-CLONING_ENGINES: tuple[str, ...] = ("omni",)
-"""Engines that can speak an uploaded voice sample: omni with a cloning checkpoint (Qwen3-TTS Base, Fish
-Speech S2 Pro)."""
+
+# What each kind of engine honours, declared here rather than read from a started engine, so a refusal on
+# whichever engine is served names the others that would honour the field. Each engine builds its
+# capabilities from its kind (tests/test_request_vocabulary.py checks the engines against this table).
+HIBARI: Final = EngineKind("hibari", fields=frozenset({"seed"}), word_timings=True)
+NULL: Final = EngineKind("null", fields=frozenset({"seed"}), word_timings=True)
+TALKER: Final = EngineKind("talker", fields=frozenset({"seed", "max_new_tokens", "initial_codec_chunk_frames"}))
+QWEN3_TTS_FIELDS: Final = frozenset({"seed", "max_new_tokens", "initial_codec_chunk_frames", "non_streaming_mode"})
+"""Request fields every Qwen3-TTS checkpoint honours (`non_streaming_mode`: text given whole or streamed
+into the talker's prompt; vllm-omni's default is whole for CustomVoice and VoiceDesign;
+`initial_codec_chunk_frames` with the chunk ramp off: with it, only the ramp's first entry)."""
+QWEN3_TTS_CLONING_FIELDS: Final = frozenset({"ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding"})
+QWEN3_TTS: Final = {
+    task: EngineKind("omni", f"Qwen3-TTS {task}", values={"task_type": (task,)},
+                     fields=QWEN3_TTS_FIELDS | (QWEN3_TTS_CLONING_FIELDS if task == "Base" else {"instructions"}))
+    for task in ("CustomVoice", "VoiceDesign", "Base")}
+"""The omni engine on a Qwen3-TTS checkpoint, by the one task it runs: Base clones, the others follow
+`instructions`."""
+FISH_S2_PRO: Final = EngineKind("omni", "Fish Speech S2 Pro", values={},
+                                fields=frozenset({"ref_audio", "ref_text", "max_new_tokens", "seed"}))
+"""The omni engine on Fish Speech S2 Pro, through vllm-omni 0.30.0's Fish adapter (`tts_adapters/fish_speech.py`):
+`validate` takes an uploaded voice or ref_audio (+ ref_text, required with it) and max_new_tokens; `build`
+reads input, ref_audio, ref_text, max_new_tokens (instructions, language, speaker_embedding,
+x_vector_only_mode and task_type are not read); the request path sets the seed on stage 0."""
+ENGINE_KINDS: Final = (HIBARI, TALKER, *QWEN3_TTS.values(), FISH_S2_PRO)
+"""The speaking engines of this build, in the order refusals name them (`null`, a benchmark stand-in that
+speaks a tone, is not one)."""
+CLONING_ENGINES: Final = tuple(dict.fromkeys(kind.engine for kind in ENGINE_KINDS if "ref_audio" in kind.fields))
+"""Engines that can speak an uploaded voice sample (omni, with a cloning checkpoint)."""
 
 
 def create_engine(name: str, *, workers: int = 1, isolation: Isolation = "thread",

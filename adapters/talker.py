@@ -43,6 +43,7 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 from voicewire.adapters.base import RequestCounts, counted_outcome
+from voicewire.adapters.registry import TALKER
 from voicewire.adapters.talker_codec import (
     ChunkPolicy,
     ChunkStreamer,
@@ -199,7 +200,7 @@ class TalkerEngine:
             languages=("en",),
             capabilities=EngineCapabilities(
                 word_timings=False, voice_cloning=False, speed_range=(1.0, 1.0), streaming="frame",
-                fields=frozenset({"seed", "max_new_tokens", "initial_codec_chunk_frames"}),
+                fields=TALKER.fields, values=TALKER.values,
             ),
             max_concurrency=config.max_concurrency,
         )

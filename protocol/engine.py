@@ -14,7 +14,7 @@ many run at once (`EngineInfo.max_concurrency`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final
 
@@ -97,8 +97,9 @@ class SpeechParams(msgspec.Struct, kw_only=True, frozen=True):
     some values only), or it is refused (`unhonoured`, driven by those capabilities): never
     ignored silently. `speed` is always honoured (beyond the engine's native range by a time stretch).
 
-    Adding a field: declare it here, name it in the `EngineCapabilities.fields` of each engine that
-    honours it, and read it in that engine's `synthesize`. Nothing else changes.
+    Adding a field: declare it here, name it in the `EngineKind.fields` of each engine kind that honours it
+    (`adapters/registry.py`; the engines build their capabilities from those), and read it in that engine's
+    `synthesize`. Nothing else changes.
     """
 
     speed: Annotated[float, msgspec.Meta(ge=SPEED_MIN, le=SPEED_MAX)] = 1.0
@@ -193,9 +194,47 @@ class EngineCapabilities:
     """The engine reports its model's text and output tokens (`TokenCounts`); usage uses them."""
 
     def __post_init__(self) -> None:
-        unknown = (self.fields | set(self.values)) - set(SPEECH_FIELDS)
-        if unknown:
-            raise ValueError(f"EngineCapabilities.fields names no request field: {', '.join(sorted(unknown))}")
+        _check_field_names("EngineCapabilities", self.fields, self.values)
+
+
+def _check_field_names(what: str, fields: frozenset[str], values: Mapping[str, object]) -> None:
+    unknown = (fields | set(values)) - set(SPEECH_FIELDS)
+    if unknown:
+        raise ValueError(f"{what}.fields names no request field: {', '.join(sorted(unknown))}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineKind:
+    """One kind of engine of this build (an engine, or one checkpoint kind or model family an engine serves)
+    and what it honours, declared statically (`adapters/registry.py`) whether or not it is the one served,
+    so that a refusal names the engines that would honour the field (`engines_that_can`). An engine builds
+    its `EngineCapabilities` from its kind's `fields` and `values` (narrowing them where its start flags do)."""
+
+    engine: str
+    variant: str | None = None
+    """The checkpoint kind or model family, for an engine that serves several (`Qwen3-TTS VoiceDesign`)."""
+    fields: frozenset[str] = frozenset()
+    values: Mapping[str, tuple[object, ...]] = field(default_factory=lambda: dict(WHOLE_UNIT_VALUES))
+    word_timings: bool = False
+
+    def __post_init__(self) -> None:
+        _check_field_names("EngineKind", self.fields, self.values)
+
+    @property
+    def label(self) -> str:
+        """How a refusal names it: `talker`, `omni (Qwen3-TTS Base)`."""
+        return self.engine if self.variant is None else f"{self.engine} ({self.variant})"
+
+    def honours(self, name: str, value: object) -> bool:
+        """Whether it honours the request field `name` asked with `value`."""
+        return name in self.fields or value in self.values.get(name, ())
+
+
+def engines_that_can(kinds: Sequence[EngineKind], can: Callable[[EngineKind], bool]) -> str:
+    """The end of a refusal: `engines that can: talker, omni (Qwen3-TTS Base)`, the `kinds` for which `can`
+    holds, in their order, or `no engine of this build can`."""
+    able = [kind.label for kind in kinds if can(kind)]
+    return f"engines that can: {', '.join(able)}" if able else "no engine of this build can"
 
 
 _WHY_NOT: Final[dict[str, str]] = {
@@ -256,6 +295,9 @@ class EngineInfo:
     capabilities: EngineCapabilities
     max_concurrency: int
     """How many requests the engine computes at once; the scheduler never runs more than this."""
+    model_ids: tuple[str, ...] = ()
+    """The ids its model is known by besides the engine's name, as vllm-omni's server reports them in
+    `/v1/models` (the model path as given, the HF-style `org/name`); accepted as `model`, and published."""
 
 
 class EngineError(Exception):

@@ -255,6 +255,8 @@ class Limits(msgspec.Struct, kw_only=True):
 
 class EngineDescription(msgspec.Struct, kw_only=True):
     name: str
+    models: list[str]
+    """What `model` may name: the engine, its model's ids (`EngineInfo.model_ids`), then the aliases."""
     sample_rate: int
     voices: list[str]
     default_voice: str

@@ -23,10 +23,12 @@ from typing import Final
 from voicewire.protocol.audio import STREAMABLE_FORMATS, codec_rate
 from voicewire.protocol.engine import (
     EngineInfo,
+    EngineKind,
     SpeechParams,
     VoiceSample,
     conflicting_voice_source,
     default_task_type,
+    engines_that_can,
     speech_params,
     unhonoured,
 )
@@ -70,8 +72,11 @@ class ServerFacts:
     info: EngineInfo
     limits: Limits
     model_names: frozenset[str]
+    """Accepted as `model` besides the engine's name and `info.model_ids` (which are always accepted)."""
     voice_aliases: dict[str, str]
     languages: frozenset[str]
+    engine_kinds: tuple[EngineKind, ...]
+    """The speaking engines of this build and what each honours, named when a field is refused."""
     voice_exists: Callable[[str], bool] = field(default=lambda _name: False)
     """Voices beyond the engine's own (uploaded ones); they need a cloning engine."""
     cloning_engines: tuple[str, ...] = ()
@@ -80,8 +85,11 @@ class ServerFacts:
 
     def __post_init__(self) -> None:
         info, caps = self.info, self.info.capabilities
+        own = list(dict.fromkeys((info.name, *info.model_ids)))
+        object.__setattr__(self, "model_names", self.model_names | set(own))
         object.__setattr__(self, "engine", EngineDescription(
-            name=info.name, sample_rate=info.sample_rate, voices=list(info.voices),
+            name=info.name, models=[*own, *sorted(self.model_names - set(own))], sample_rate=info.sample_rate,
+            voices=list(info.voices),
             default_voice=info.default_voice, languages=list(info.languages), word_timestamps=caps.word_timings,
             voice_cloning=caps.voice_cloning, native_speed=list(caps.speed_range)))
 
@@ -372,7 +380,7 @@ def resolve_config(msg: SessionConfig, facts: ServerFacts) -> EffectiveConfig:
     engine = facts.engine
     model = msg.model if msg.model is not None else engine.name
     if model not in facts.model_names:
-        raise _bad("model", f"unknown model {echo(model)}; this server serves {', '.join(sorted(facts.model_names))}",
+        raise _bad("model", f"unknown model {echo(model)}; this server serves {', '.join(engine.models)}",
                    reason="model_not_found")
     requested = msg.voice if msg.voice is not None else msg.speaker
     voice = resolve_voice(requested, facts)
@@ -382,7 +390,10 @@ def resolve_config(msg: SessionConfig, facts: ServerFacts) -> EffectiveConfig:
                    f"supported: {', '.join(sorted(facts.languages))}")
     refused = unhonoured(msg, facts.info.capabilities)
     if refused is not None:
-        raise _unsupported(*refused, engine.name)
+        name, why = refused
+        value = getattr(msg, name)
+        raise _unsupported(name, why, engine.name,
+                           engines_that_can(facts.engine_kinds, lambda kind: kind.honours(name, value)))
     clash = conflicting_voice_source(msg, None if voice in engine.voices else voice)
     if clash is not None:
         raise _bad(*clash)
@@ -397,7 +408,8 @@ def resolve_config(msg: SessionConfig, facts: ServerFacts) -> EffectiveConfig:
                    f"{msg.response_format!r} can only be sent as one whole file per sentence")
     audio_frames = msg.audio_frames or ("json" if msg.word_timestamps else "binary")
     if msg.word_timestamps and not engine.word_timestamps:
-        raise _unsupported("word_timestamps", "it has no word timings", engine.name)
+        raise _unsupported("word_timestamps", "it has no word timings", engine.name,
+                           engines_that_can(facts.engine_kinds, lambda kind: kind.word_timings))
     return EffectiveConfig(
         model=model, voice=voice, language=language, instructions=msg.instructions, speed=msg.speed,
         response_format=msg.response_format,
@@ -436,5 +448,6 @@ def _bad(param: str, detail: str, *, reason: str | None = None) -> ProtocolError
                          reason=reason)
 
 
-def _unsupported(param: str, why: str, engine: str) -> ProtocolError:
-    return _bad(param, f"not supported by engine {engine} ({why})")
+def _unsupported(param: str, why: str, engine: str, others: str) -> ProtocolError:
+    """`param` refused, saying why and which engines would honour it (`engines_that_can`)."""
+    return _bad(param, f"not supported by engine {engine} ({why}); {others}")

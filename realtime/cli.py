@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="test and benchmark mode: random talker weights, forced lengths (no real speech)")
     omni = serve.add_argument_group("omni engine (--engine omni: vllm-omni's pipeline; docs/engines.md)")
     omni.add_argument("--model", metavar="DIR", help="local model folder (a Qwen3-TTS or Fish Speech S2 Pro model)")
+    omni.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                      help="more ids clients may name the model by (vllm's flag), listed in /v1/models and "
+                           "accepted as model besides --model as given and its HF-style name")
     omni.add_argument("--stage-config", metavar="YAML",
                       help="vllm-omni deploy/stage config (default: vllm-omni's own for the model type; on a CPU "
                            "build use adapters/omni_configs/qwen3_tts_cpu.yaml or fish_qwen3_omni_cpu.yaml)")
@@ -123,7 +126,8 @@ def omni_engine(args: argparse.Namespace) -> Engine | None:
 
     ramp = DEFAULT_CHUNK_RAMP if args.omni_chunk_ramp is None else args.omni_chunk_ramp
     config = OmniConfig(model=args.model, stage_config=args.stage_config, max_concurrency=args.omni_max_concurrency,
-                        random_weights=args.omni_random_weights, codec_chunk_ramp=ramp)
+                        random_weights=args.omni_random_weights, codec_chunk_ramp=ramp,
+                        served_model_names=tuple(args.served_model_name))
     return create_engine("omni", omni=config)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from voicewire.adapters.base import Engine, engine_failure
-from voicewire.adapters.registry import CLONING_ENGINES
+from voicewire.adapters.registry import CLONING_ENGINES, ENGINE_KINDS
 from voicewire.protocol.messages import Limits
 from voicewire.protocol.resume import ResumeRegistry
 from voicewire.protocol.session import ServerFacts
@@ -89,10 +89,11 @@ class ServerContext:
                 unit_timeout_s=s.unit_timeout_s, max_unit_audio_s=s.max_unit_audio_s,
                 max_response_audio_s=s.max_response_audio_s, resume_window_s=s.resume_window_s,
                 replay_buffer_bytes=s.replay_buffer_bytes),
-            model_names=frozenset({info.name, *s.model_aliases}),
+            model_names=frozenset(s.model_aliases),
             voice_aliases=aliases,
             languages=_language_names(info.languages),
             voice_exists=voices.__contains__,
+            engine_kinds=ENGINE_KINDS,
             cloning_engines=CLONING_ENGINES,
         )
         return cls(settings=settings, engine=engine, metrics=metrics, voices=voices,

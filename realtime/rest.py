@@ -4,7 +4,7 @@
   events (`sse`) or one body with usage headers (`whole`); see `realtime.speech.plan_speech`.
 - `POST /v1/audio/speech/batch`: vllm-omni's batch, whole files as base64, errors per item.
 - `GET|POST /v1/audio/voices`, `DELETE /v1/audio/voices/{name}`: the `VoiceStore`.
-- `GET /v1/models`, `GET /v1/models/{model}`: the served engine and its OpenAI aliases.
+- `GET /v1/models`, `GET /v1/models/{model}`: the served engine, its model's ids, its OpenAI aliases.
 - `GET /metrics`: Prometheus text of the server's registry.
 
 Every error is OpenAI's `{"error": {...}}` (`realtime.openai_errors`). Bounds: at most
@@ -86,7 +86,7 @@ def add_rest_routes(app: web.Application, server: Server) -> None:
     app.router.add_post("/v1/audio/voices", upload_voice)
     app.router.add_delete("/v1/audio/voices/{name}", delete_voice)
     app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", retrieve_model)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # HF-style ids hold a slash
     app.router.add_get("/metrics", metrics)
 
 
@@ -437,13 +437,13 @@ async def delete_voice(request: web.Request) -> web.Response:
 
 def _model_entries(state: RestState, facts: ServerFacts) -> dict[str, dict[str, object]]:
     engine = facts.engine.name
-    names = [engine, *sorted(facts.model_names - {engine})]
     return {name: {"id": name, "object": "model", "created": state.created, "owned_by": "voicewire",
-                   "root": engine} for name in names}
+                   "root": engine} for name in facts.engine.models}
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """`GET /v1/models`: the served engine first, then the model names accepted as its aliases."""
+    """`GET /v1/models`: every name accepted as `model` (`session.updated`'s `engine.models`): the served
+    engine first, then its model's ids as vllm-omni's server reports them, then the aliases."""
     state = request.app[REST]
     entries = _model_entries(state, _serving(state).facts)
     return web.json_response({"object": "list", "data": list(entries.values())})

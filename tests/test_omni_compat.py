@@ -81,6 +81,30 @@ def test_a_fish_folder_gets_the_adapter_engine_with_its_adapters_fields(tmp_path
     assert engine.info.voices == ("default",)
 
 
+def test_the_model_is_known_by_vllm_omnis_ids_and_its_hf_style_name(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-omni's server names a model by `--served-model-name`, else by `--model` as given; here both, and
+    the HF-style `org/name` when the folder tells it (a hub cache snapshot, or config.json's `_name_or_path`),
+    on every omni engine, and from the CLI flag."""
+    from voicewire.realtime.cli import build_parser
+    from voicewire.realtime.cli import omni_engine as cli_engine
+
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-TTS-12Hz-0.6B-CustomVoice" / "snapshots" / ("a1" * 20)
+    model = str(write_qwen3_tts(snapshot, "custom_voice"))
+    assert OmniEngine(OmniConfig(model=model)).info.model_ids == (model, "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
+    monkeypatch.chdir(tmp_path)  # a relative --model is reported as given
+    fish = write_fish_s2_pro(tmp_path / "s2-pro")
+    config = json.loads((fish / "config.json").read_text())
+    (fish / "config.json").write_text(json.dumps({**config, "_name_or_path": "fishaudio/s2-pro"}))
+    engine = omni_engine(OmniConfig(model="s2-pro", served_model_names=("tts-prod",)))
+    assert engine.info.model_ids == ("tts-prod", "s2-pro", "fishaudio/s2-pro")
+    (fish / "config.json").write_text(json.dumps({**config, "_name_or_path": "/home/me/checkpoints/s2"}))
+    assert omni_engine(OmniConfig(model="s2-pro")).info.model_ids == ("s2-pro",)  # a path is no HF name
+    args = build_parser().parse_args(["serve", "--engine", "omni", "--model", model, "--served-model-name", "a", "b"])
+    cli = cli_engine(args)
+    assert cli is not None and cli.info.model_ids == ("a", "b", model, "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
+
+
 def test_cli_needs_a_model_folder(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--engine", "omni", "--no-auth"]) == 2
     assert "engine omni needs --model DIR" in capsys.readouterr().err

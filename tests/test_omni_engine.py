@@ -34,7 +34,14 @@ pytest.importorskip("vllm_omni", reason="vllm-omni is not installed (extra omni-
 
 from transformers import AutoTokenizer
 from voicewire.adapters import omni_compat
-from voicewire.adapters.omni import CPU_STAGE_CONFIGS, DEFAULT_CHUNK_RAMP, OmniConfig, OmniEngine, _float_audio
+from voicewire.adapters.omni import (
+    CPU_STAGE_CONFIGS,
+    DEFAULT_CHUNK_RAMP,
+    TASK_TYPES,
+    OmniConfig,
+    OmniEngine,
+    _float_audio,
+)
 from voicewire.adapters.omni_testing import SPEAKERS, ModelKind, write_qwen3_tts
 from voicewire.protocol.engine import SynthesisRequest, VoiceSample
 from voicewire.realtime.settings import Settings
@@ -62,8 +69,10 @@ def audio_samples_ok(samples: int, text: str) -> bool:
 def omni_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     kind: ModelKind = request.param
     root = Path(tmp_path_factory.mktemp(f"omni_{kind}"))
-    model = write_qwen3_tts(root / "model", kind)
-    engine = OmniEngine(OmniConfig(model=str(model), stage_config=CONFIG.stage_config, random_weights=True))
+    org, name = hf_name(kind).split("/")  # the folder as `hf download` leaves it in the hub cache
+    model = write_qwen3_tts(root / "hub" / f"models--{org}--{name}" / "snapshots" / ("0a" * 20), kind)
+    engine = OmniEngine(OmniConfig(model=str(model), stage_config=CONFIG.stage_config, random_weights=True,
+                                   served_model_names=(SERVED_NAME,)))
     imported = None
     if kind == "base":  # the cloning checkpoint starts with a voice directory a vllm-omni server wrote
         imported = root / "vllm_omni_speakers"
@@ -72,6 +81,14 @@ def omni_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
                                    import_vllm_omni_voices=imported), engine, start_timeout_s=START_TIMEOUT_S)
     yield server
     server.stop()
+
+
+SERVED_NAME: Final = "house-voice"
+"""The engine's `--served-model-name`."""
+
+
+def hf_name(kind: ModelKind) -> str:
+    return f"Qwen/Qwen3-TTS-12Hz-0.6B-{TASK_TYPES[kind]}"
 
 
 IMPORTED: Final = (("Alice", "consent-a", "The stored transcript."), ("Bob", "consent-b", None))
@@ -193,6 +210,33 @@ async def test_fields_the_checkpoint_cannot_honour_are_refused_by_name(omni_serv
         response = await post(omni_server, "/v1/audio/speech", json={"input": "Hi.", "voice": "vivian", field: value})
         assert response.status_code == 400, (field, response.text)
         assert response.json()["error"]["param"] == field
+
+
+@kind("custom_voice")
+async def test_the_model_is_named_as_vllm_omni_names_it_on_rest_and_websocket(omni_server: ServerThread) -> None:
+    """`/v1/models` and `session.updated` publish, after the engine, the ids vllm-omni's server gives the
+    model (its served name, the folder as given) and its HF-style name; each is accepted as `model`, on REST
+    and on the WebSocket; a model not served is a 404 naming them."""
+    hub = hf_name("custom_voice")
+    ids = ["omni", SERVED_NAME, engine(omni_server).config.model, hub, "gpt-4o-mini-tts", "tts-1", "tts-1-hd"]
+    async with httpx.AsyncClient(base_url=omni_server.http_url, timeout=300) as client:
+        assert [m["id"] for m in (await client.get("/v1/models")).json()["data"]] == ids
+        one = await client.get(f"/v1/models/{hub}")
+        assert one.status_code == 200 and one.json()["id"] == hub, one.text
+        assert (await client.get("/v1/models/Qwen/Qwen3-TTS-12Hz-1.7B-Base")).status_code == 404
+    text = "Named by its hub name."
+    rate, samples, response = await rest_wav(omni_server, input=text, model=hub)
+    assert response.status_code == 200, response.text
+    assert rate == RATE and audio_samples_ok(samples, text)
+    refused = await post(omni_server, "/v1/audio/speech", json={"input": "Hi.", "model": "Qwen/Qwen3-TTS-Base"})
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == "model"
+    assert f"this server serves {', '.join(ids)}" in refused.json()["error"]["message"]
+    updated, audio, _ = await speak(omni_server, text, model=hub)
+    assert updated["config"]["model"] == hub and updated["engine"]["models"] == ids  # type: ignore[index]
+    assert audio_samples_ok(len(audio) // 2, text)
+    for name in ids[1:3]:
+        async with websockets.connect(omni_server.ws_url) as ws:
+            assert (await configure(ws, model=name))["config"]["model"] == name  # type: ignore[index]
 
 
 @kind("custom_voice")

@@ -1,5 +1,6 @@
 """One request vocabulary: the engine fields the WebSocket and REST share, gated by the engine's capabilities
-in one place, carried to the engine as typed fields; one reading of msgspec's validation errors."""
+in one place, carried to the engine as typed fields, a refusal naming the engines that can; one reading of
+msgspec's validation errors."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from typing import Any
 
 import msgspec
 import pytest
+from voicewire.adapters.registry import ENGINE_KINDS, NULL
 from voicewire.protocol.engine import (
     SPEECH_FIELDS,
     EngineCapabilities,
     EngineInfo,
+    EngineKind,
     SpeechParams,
     SynthesisRequest,
     conflicting_voice_source,
@@ -63,13 +66,29 @@ def test_a_field_the_engine_cannot_honour_is_refused_by_name_never_ignored(name:
         resolve_config(config, FACTS)
     assert (caught.value.code, caught.value.param) == ("invalid_config", name)
     assert f"{name}: not supported by engine hibari" in caught.value.message
+    assert "; engines that can: omni (" in caught.value.message or caught.value.message.endswith(
+        "; no engine of this build can"), caught.value.message
+
+
+def test_a_refusal_names_the_engines_that_can() -> None:
+    with pytest.raises(ProtocolError) as caught:
+        resolve_config(SessionConfig(instructions="Calmly."), FACTS)
+    assert caught.value.message == (
+        "Invalid session config: instructions: not supported by engine hibari (it cannot honour it); "
+        "engines that can: omni (Qwen3-TTS CustomVoice), omni (Qwen3-TTS VoiceDesign)")
+    with pytest.raises(OpenAIError) as refused:
+        plan_speech(SpeechRequest(input="Hi.", task_type="Base"), FACTS, max_input_chars=100)
+    assert refused.value.param == "task_type"
+    assert refused.value.message.endswith(
+        "(it only serves task_type CustomVoice); engines that can: omni (Qwen3-TTS Base)")
 
 
 def test_the_engine_capabilities_decide_and_the_engine_gets_typed_fields() -> None:
     caps = dataclasses.replace(FACTS.info.capabilities, fields=frozenset({"seed", "instructions", "extra_params"}),
                                values={"task_type": ("CustomVoice", "VoiceDesign")})
     facts = ServerFacts(info=dataclasses.replace(FACTS.info, capabilities=caps), limits=FACTS.limits,
-                        model_names=FACTS.model_names, voice_aliases=FACTS.voice_aliases, languages=FACTS.languages)
+                        model_names=FACTS.model_names, voice_aliases=FACTS.voice_aliases, languages=FACTS.languages,
+                        engine_kinds=ENGINE_KINDS)
     config = SessionConfig(split_granularity="sentence", instructions="Calmly.", task_type="VoiceDesign", seed=7,
                            extra_params={"temperature": 0.5}, speed=3.0)
     m = SessionMachine(facts, "s")
@@ -126,8 +145,10 @@ SAMPLES: dict[str, Any] = {
 
 
 def engine_infos(root: Path) -> dict[str, EngineInfo]:
-    """The served engines' own facts, from the real constructors (nothing is started)."""
+    """The served engines' own facts, from the real constructors (nothing is started), by the label of their
+    declared `EngineKind`, in the order `ENGINE_KINDS` names them (`null` second)."""
     from voicewire.adapters.hibari import HibariEngine
+    from voicewire.adapters.null import NullEngine
     from voicewire.adapters.omni import OmniConfig, OmniEngine
     from voicewire.adapters.omni_families import omni_engine
     from voicewire.adapters.omni_testing import write_fish_s2_pro, write_qwen3_tts
@@ -136,16 +157,39 @@ def engine_infos(root: Path) -> dict[str, EngineInfo]:
 
     talker = TalkerEngine(TalkerConfig(talker_model=str(write_talker(root / "talker", voices={"tara": [1]})),
                                        codec_model=str(write_snac(root / "snac"))))
-    infos = {"hibari": HibariEngine().info, "talker": talker.info}
-    for kind in ("custom_voice", "voice_design", "base"):
-        infos[f"omni {kind}"] = OmniEngine(OmniConfig(model=str(write_qwen3_tts(root / kind, kind)))).info
-    infos["omni fish"] = omni_engine(OmniConfig(model=str(write_fish_s2_pro(root / "fish")))).info
+    infos = {"hibari": HibariEngine().info, "null": NullEngine().info, "talker": talker.info}
+    for kind, task in (("custom_voice", "CustomVoice"), ("voice_design", "VoiceDesign"), ("base", "Base")):
+        model = str(write_qwen3_tts(root / kind, kind))
+        infos[f"omni (Qwen3-TTS {task})"] = OmniEngine(OmniConfig(model=model)).info
+    infos["omni (Fish Speech S2 Pro)"] = omni_engine(OmniConfig(model=str(write_fish_s2_pro(root / "fish")))).info
     return infos
 
 
 def facts_of(info: EngineInfo) -> ServerFacts:
     return ServerFacts(info=info, limits=FACTS.limits, model_names=frozenset({info.name}), voice_aliases={},
-                       languages=frozenset(info.languages))
+                       languages=frozenset(info.languages), engine_kinds=ENGINE_KINDS)
+
+
+def honours(caps: EngineCapabilities | EngineKind, name: str, value: Any) -> bool:
+    return name in caps.fields or value in caps.values.get(name, ())
+
+
+def engines_that_can(infos: dict[str, EngineInfo], can: Any) -> str:
+    """The end of a refusal, from the real engines (the `null` stand-in is never offered)."""
+    able = [label for label, info in infos.items() if label != "null" and can(info.capabilities)]
+    return f"engines that can: {', '.join(able)}" if able else "no engine of this build can"
+
+
+def test_each_engine_honours_what_its_kind_declares(tmp_path: Path) -> None:
+    """The static table refusals name engines from (`adapters/registry.py`) says what each real engine does."""
+    infos = engine_infos(tmp_path)
+    kinds = {kind.label: kind for kind in (*ENGINE_KINDS, NULL)}
+    assert list(kinds) == [label for label in infos if label != "null"] + ["null"]
+    for label, info in infos.items():
+        caps, kind = info.capabilities, kinds[label]
+        assert caps.word_timings == kind.word_timings, label
+        for name, value in SAMPLES.items():
+            assert honours(caps, name, value) == kind.honours(name, value), (label, name)
 
 
 def test_every_field_is_sampled() -> None:
@@ -154,11 +198,21 @@ def test_every_field_is_sampled() -> None:
 
 def test_no_field_is_ignored_on_any_engine(tmp_path: Path) -> None:
     """Every field on every engine: accepted only where the engine says it honours it (and then carried to
-    the engine as a typed field), otherwise refused by name, naming the engine, on both surfaces."""
-    for engine, info in engine_infos(tmp_path).items():
+    the engine as a typed field), otherwise refused by name, naming the engine and the engines that can
+    (those that accept it here), on both surfaces."""
+    infos = engine_infos(tmp_path)
+    timings = engines_that_can(infos, lambda other: other.word_timings)
+    for engine, info in infos.items():
         caps, facts = info.capabilities, facts_of(info)
+        if caps.word_timings:
+            resolve_config(SessionConfig(word_timestamps=True), facts)
+        else:
+            with pytest.raises(ProtocolError) as no_words:
+                resolve_config(SessionConfig(word_timestamps=True), facts)
+            assert no_words.value.message.endswith(f"; {timings}"), (engine, no_words.value.message)
         for name, value in SAMPLES.items():
-            honoured = name in caps.fields or value in caps.values.get(name, ())
+            honoured = honours(caps, name, value)
+            others = engines_that_can(infos, lambda other, name=name, value=value: honours(other, name, value))
             config = msgspec.convert({name: value}, SessionConfig)
             try:
                 resolve_config(config, facts)
@@ -166,6 +220,7 @@ def test_no_field_is_ignored_on_any_engine(tmp_path: Path) -> None:
                 assert not honoured, (engine, name, exc.message)
                 assert (exc.code, exc.param) == ("invalid_config", name), (engine, name, exc.message)
                 assert f"not supported by engine {info.name}" in exc.message, (engine, name, exc.message)
+                assert exc.message.endswith(f"; {others}"), (engine, name, exc.message)
             else:
                 assert honoured, f"{engine} accepts {name} it does not honour"
                 m = SessionMachine(facts, "s")
@@ -181,6 +236,7 @@ def test_no_field_is_ignored_on_any_engine(tmp_path: Path) -> None:
                 with pytest.raises(OpenAIError) as refused:
                     plan_speech(body, facts, max_input_chars=100)
                 assert (refused.value.status, refused.value.param) == (400, name), (engine, name)
+                assert refused.value.message.endswith(f"; {others}"), (engine, name, refused.value.message)
 
 
 def test_token_level_streaming_is_the_sessions_text_streaming_on_every_engine_and_refused_on_rest(
@@ -234,7 +290,7 @@ def test_a_cloning_engine_refuses_speaker_embedding_with_another_voice_source_on
     """The omni Base checkpoint honours each field alone; the pair is refused by name, never resolved by a
     silent precedence: a non-fatal `invalid_config` on the WebSocket (the session keeps its config), a 400
     naming the field on REST."""
-    info = engine_infos(tmp_path)["omni base"]
+    info = engine_infos(tmp_path)["omni (Qwen3-TTS Base)"]
     facts = dataclasses.replace(facts_of(info), voice_exists=lambda name: name == "mine")
     for alone in ({"speaker_embedding": [0.1, 0.2]}, clash):
         resolve_config(msgspec.convert(alone, SessionConfig), facts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from voicewire.adapters.registry import ENGINE_KINDS
 from voicewire.protocol.engine import EngineCapabilities, EngineInfo, VoiceSample
 from voicewire.protocol.messages import (
     InputCancel,
@@ -39,6 +40,7 @@ FACTS = ServerFacts(
     model_names=frozenset({"hibari", "tts-1"}),
     voice_aliases={"alloy": "heart"},
     languages=frozenset({"en", "english", "auto"}),
+    engine_kinds=ENGINE_KINDS,
     voice_exists=lambda name: name == "uploaded",
 )
 

@@ -39,6 +39,8 @@ export interface WordTiming {
 
 export interface EngineDescription {
   name: string;
+  /** Every name `model` may take: the engine, its model's ids, the aliases. */
+  models: string[];
   sample_rate: number;
   voices: string[];
   default_voice: string;
