@@ -50,6 +50,7 @@ import math
 import os
 import re
 import tempfile
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,47 @@ class OmniConfig:
         if self.codec_chunk_ramp and (len(self.codec_chunk_ramp) < 2 or min(self.codec_chunk_ramp) < 1):
             raise ValueError(f"omni: codec_chunk_ramp {list(self.codec_chunk_ramp)} needs at least 2 entries, "
                              "each at least 1 frame (or none: no ramp)")
+
+
+class CachedReferences:
+    """The cloning references whose artifacts (codec codes, speaker embedding) vllm-omni's talker holds, as
+    (artifact key, x-vector-only) pairs: an LRU of at most `size`, marked when a request that sent the
+    reference has finished, touched whenever one is used. A request whose reference is here sends only the
+    key, not the samples (`omni_compat`: the talker's artifact cache), as vllm-omni's own server does: a
+    clone then costs neither the samples' serialization nor the talker's re-encoding of them. `size` must
+    stay below the talker's own LRU (`references_kept`), so an entry here is always still cached there."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: OrderedDict[tuple[str, bool], None] = OrderedDict()
+
+    def cached(self, entry: tuple[str, bool]) -> bool:
+        """Whether the talker holds `entry`'s artifacts (and count this as a use)."""
+        if entry not in self._entries:
+            return False
+        self._entries.move_to_end(entry)
+        return True
+
+    def add(self, entry: tuple[str, bool]) -> None:
+        """Mark `entry` cached (its request, which sent the reference, has finished)."""
+        if self.size <= 0:
+            return
+        self._entries[entry] = None
+        self._entries.move_to_end(entry)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+
+def references_kept(deploy: Mapping[str, Any]) -> int:
+    """How many references the engine treats as cached by the talker (`CachedReferences`): half the talker's
+    artifact LRU (its connector option `ref_audio_artifact_cache_max_entries`, 1024 unless a connector of
+    `deploy` sets it), at most `omni_compat.QWEN3_TTS_REFERENCES_KEPT`; 0 (always send the samples) when the
+    talker keeps none."""
+    sizes = [int(extra["ref_audio_artifact_cache_max_entries"])
+             for connector in (deploy.get("connectors") or {}).values() if isinstance(connector, Mapping)
+             for extra in [connector.get("extra", connector)]
+             if isinstance(extra, Mapping) and "ref_audio_artifact_cache_max_entries" in extra]
+    return min(omni_compat.QWEN3_TTS_REFERENCES_KEPT, min(sizes, default=1024) // 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +251,7 @@ class OmniEngine:
         self._omni: Any = None
         self._tokenizer: Any = None
         self._deploy_file: str | None = None
+        self._references = CachedReferences(0)
 
     @property
     def info(self) -> EngineInfo:
@@ -237,6 +280,9 @@ class OmniEngine:
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # one host: no address discovery
         self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self._deploy_file = self._deploy_config()
+        deploy = omni_compat.resolved_deploy_config(
+            self._deploy_file or omni_compat.default_deploy_config("qwen3_tts"))
+        self._references = CachedReferences(references_kept(deploy))
         self._omni = await asyncio.to_thread(omni_compat.create_async_omni, self.config.model, self._deploy_file,
                                              init_timeout_s=self.config.init_timeout_s)
         try:
@@ -298,7 +344,10 @@ class OmniEngine:
             if reference is None:
                 raise ValueError("omni: Base (cloning) needs ref_audio, an uploaded voice or speaker_embedding")
             audio, rate = reference.samples(), reference.sample_rate
-            params["ref_audio"] = [[audio.tolist(), rate]]
+            key = omni_compat.qwen3_tts_ref_audio_key(audio, rate)
+            params[omni_compat.QWEN3_TTS_REF_AUDIO_KEY] = [key]
+            if not self._references.cached((key, x_vector_only)):
+                params["ref_audio"] = [[audio.tolist(), rate]]
             params["ref_code_length"] = [math.ceil(len(audio) / rate * self.model.frame_rate)]
         if not x_vector_only and not (ref_text and ref_text.strip()):
             raise ValueError("omni: Base cloning needs ref_text (the reference's transcript) unless "
@@ -358,6 +407,9 @@ class OmniEngine:
                     yield AudioPiece(samples, rate, tokens=TokenCounts(
                         first.text, first.audio, max(0, frames - frames_so_far)))
                     frames_so_far, first = max(frames, frames_so_far), NO_TOKENS
+        key = params.get(omni_compat.QWEN3_TTS_REF_AUDIO_KEY)
+        if key and "ref_audio" in params:  # finished: the talker now holds this reference's artifacts
+            self._references.add((key[0], bool(params["x_vector_only_mode"][0])))
 
     def _text_tokens(self, request: SynthesisRequest) -> int:
         """The unit's text and instructions in the model's text tokenizer, as vllm-omni's usage counts them."""

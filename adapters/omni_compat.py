@@ -9,6 +9,12 @@ only through this module:
 - stream-mode sampling: `vllm_omni.entrypoints.utils.coerce_param_message_types`: a module function;
 - Qwen3-TTS' placeholder prompt length:
   `Qwen3TTSPromptEmbedsBuilder.estimate_prompt_len_from_additional_information`: model internals;
+- Qwen3-TTS' reference artifacts: the talker caches what it derives from a reference (its codec codes, the
+  speaker embedding) under `Qwen3TTSPromptEmbedsBuilder.make_ref_audio_cache_key(wav, sr)` (an LRU of
+  1024 by default), and takes that key in `additional_information["_qwen3_tts_ref_audio_cache_key"]`; a
+  request that carries the key and no `ref_audio` uses the cached artifacts (vllm-omni's own speech server
+  sends a reference once, then only its key: its "artifact-only" path): model internals, the same in
+  both releases;
 - requests in flight: `AsyncOmni.request_states` (a dict): an attribute, private in spirit;
 - usage: `vllm_omni.entrypoints.openai.speech_usage.qwen3_tts_input_token_details`, the speech server's
   own count of the reference-audio tokens in a request's prompt: a module function;
@@ -161,6 +167,21 @@ def qwen3_tts_prompt_len(additional_information: Mapping[str, Any], *, task_type
         additional_information=dict(additional_information), task_type=task_type, tokenize_prompt=tokenize,
         codec_language_id=codec_language_id, spk_is_dialect=spk_is_dialect,
         estimate_ref_code_len=ref_code_len))
+
+
+QWEN3_TTS_REF_AUDIO_KEY: Final = "_qwen3_tts_ref_audio_cache_key"
+"""The `additional_information` key of a reference's artifact-cache key (module doc)."""
+QWEN3_TTS_REFERENCES_KEPT: Final = 256
+"""References the engine treats as cached model-side at once: well under the talker's artifact LRU (1024),
+so a key still in the engine's own LRU of this size has not left the talker's (every reference used goes
+through both); vllm-omni's server bounds its own list the same way (256)."""
+
+
+def qwen3_tts_ref_audio_key(samples: Any, sample_rate: int) -> str:
+    """The talker's artifact-cache key of a reference (`samples`: float32, mono), vllm-omni's own function."""
+    from vllm_omni.model_executor.models.qwen3_tts.prompt_embeds_builder import Qwen3TTSPromptEmbedsBuilder
+
+    return str(Qwen3TTSPromptEmbedsBuilder.make_ref_audio_cache_key(samples, sample_rate))
 
 
 def qwen3_tts_reference_tokens(additional_information: Mapping[str, Any]) -> int:

@@ -44,6 +44,7 @@ from voicewire.adapters.omni import (
 )
 from voicewire.adapters.omni_testing import SPEAKERS, ModelKind, write_qwen3_tts
 from voicewire.protocol.engine import SynthesisRequest, VoiceSample
+from voicewire.protocol.media import decode_audio
 from voicewire.realtime.settings import Settings
 
 from tests.server import ServerThread
@@ -490,6 +491,36 @@ async def test_usage_counts_tokens_as_vllm_omni_does(omni_server: ServerThread) 
                                     x_vector_only_mode=True)
     assert x_vector.status_code == 200, x_vector.text
     assert x_vector.headers["x-vllm-omni-input-audio-tokens"] == "0"
+
+
+@kind("base")
+async def test_a_reference_is_sent_once_then_named_by_its_artifact_key(omni_server: ServerThread) -> None:
+    """Once a request that sent a reference has finished, the talker holds that reference's artifacts: the
+    next request with it (from any client) sends vllm-omni's artifact key instead of the samples, as vllm-omni's
+    own server does, and still clones in context (the same reference tokens, audio of the right length).
+    The other cloning mode (x-vector only) is its own entry, sent whole until it has run once."""
+    wav = reference_wav(1.8)  # a length no other test uses: a reference the talker has not seen
+    decoded = decode_audio(wav, max_bytes=len(wav), max_seconds=10.0)  # the samples the server will have
+    reference = VoiceSample.of(decoded.samples, decoded.sample_rate)
+    in_context = SynthesisRequest(request_id="artifact-probe", text="Hi.", voice="default", task_type="Base",
+                                  reference=reference, ref_text="A short reference sentence.")
+    x_vector = SynthesisRequest(request_id="artifact-probe-x", text="Hi.", voice="default", task_type="Base",
+                                reference=reference, x_vector_only_mode=True)
+    before = engine(omni_server).parameters(in_context)
+    key = before[omni_compat.QWEN3_TTS_REF_AUDIO_KEY]
+    assert "ref_audio" in before
+    clone = {"task_type": "Base", "ref_audio": base64.b64encode(wav).decode(),
+             "ref_text": "A short reference sentence."}
+    for attempt in ("first", "second"):
+        text = f"The {attempt} clone of one reference."
+        rate, samples, response = await rest_wav(omni_server, input=text, stream=False, **clone)
+        assert response.status_code == 200, response.text
+        assert rate == RATE and audio_samples_ok(samples, text)
+        assert int(response.headers["x-vllm-omni-input-audio-tokens"]) == reference_tokens(1.8)
+        after = engine(omni_server).parameters(in_context)
+        assert "ref_audio" not in after and after[omni_compat.QWEN3_TTS_REF_AUDIO_KEY] == key
+        assert after["ref_code_length"] == before["ref_code_length"]
+    assert "ref_audio" in engine(omni_server).parameters(x_vector)
 
 
 @kind("base")
