@@ -37,7 +37,7 @@ from voicewire.adapters.workers import PoolHealth, pool_health
 from voicewire.protocol.session import CLOSE_POLICY
 from voicewire.realtime import admission
 from voicewire.realtime.auth import IDENTITY, AccessControl, Identity, access_middleware
-from voicewire.realtime.bodies import body_deadline_middleware
+from voicewire.realtime.bodies import ARRIVING, ArrivingRequests, body_deadline_middleware, head_arrived_middleware
 from voicewire.realtime.context import Server, ServerContext
 from voicewire.realtime.openai_errors import OpenAIError
 from voicewire.realtime.request_id import add_request_id
@@ -92,8 +92,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         check_source(settings.import_vllm_omni_voices, voices_dir)
     voices = VoiceStore(voices_dir, max_voices=settings.max_voices, max_upload_bytes=settings.max_voice_upload_bytes)
     server = Server(settings=settings, engine=engine, access=access, voices=voices)
-    app = web.Application(client_max_size=settings.max_config_bytes, middlewares=[access_middleware(access)])
+    arriving = ArrivingRequests(settings.max_bodies_per_ip, heads=not settings.trust_forwarded_for)
+    app = web.Application(client_max_size=settings.max_config_bytes,
+                          middlewares=[head_arrived_middleware(arriving), access_middleware(access)])
     app[SERVER] = server
+    app[ARRIVING] = arriving
     metrics = server.metrics
     metrics.engine_workers.read = lambda: pool_health(engine)
     app[STATE] = state = AppState(admission.Admission(metrics, settings.admission_utilization))
@@ -110,7 +113,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.router.add_get("/ready", ready)
     app.router.add_get("/v1/audio/speech/stream", speech_stream)
     add_rest_routes(app, server)
-    app.middlewares.append(body_deadline_middleware(access))  # innermost: it answers a body's timeout itself
+    app.middlewares.append(body_deadline_middleware(access, arriving))  # innermost: it answers a body's timeout itself
     add_client_routes(app)
     return app
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -14,6 +15,7 @@ from voicewire.adapters.base import Engine
 from voicewire.adapters.registry import ENGINE_NAMES, create_engine
 from voicewire.realtime.app import create_app
 from voicewire.realtime.auth import AccessLog
+from voicewire.realtime.bodies import CountingSite
 from voicewire.realtime.settings import Settings
 from voicewire.realtime.voice_import import ENV_VAR as IMPORT_ENV_VAR
 
@@ -158,14 +160,50 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         logging.getLogger("voicewire").info("uvloop not installed; using the default event loop")
-    web.run_app(app, host=settings.host, port=settings.port,
-                shutdown_timeout=settings.shutdown_grace_s + 5.0, print=lambda _banner: _log_listening(app, settings),
-                handler_cancellation=True, access_log_class=AccessLog, keepalive_timeout=settings.header_timeout_s)
+    run(app, settings)
     return 0
 
 
+def run(app: web.Application, settings: Settings) -> None:
+    """Serve `app` until a stop signal, as `web.run_app` does, but on a `CountingSite` (run_app takes no
+    site), so connections count their request heads against their address (`realtime.bodies`). As in
+    run_app, a stop first cleans the app up (the drain, the engine) with every other task still running,
+    then cancels what is left."""
+    loop = asyncio.new_event_loop()
+    main = loop.create_task(_serve(app, settings))
+    try:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(main)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        if not main.done():
+            main.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                loop.run_until_complete(main)
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+async def _serve(app: web.Application, settings: Settings) -> None:
+    runner = web.AppRunner(app, handle_signals=True, shutdown_timeout=settings.shutdown_grace_s + 5.0,
+                           handler_cancellation=True, access_log_class=AccessLog,
+                           keepalive_timeout=settings.header_timeout_s)
+    await runner.setup()
+    try:
+        await CountingSite(runner, settings.host, settings.port).start()
+        _log_listening(app, settings)
+        await asyncio.Event().wait()  # until a stop signal raises GracefulExit out of the loop
+    finally:
+        await runner.cleanup()
+
+
 def _log_listening(app: web.Application, settings: Settings) -> None:
-    """Say where the server listens, once it does (aiohttp calls this after its sockets are bound)."""
+    """Say where the server listens, once it does (after its sockets are bound)."""
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     demo = any(route.method == "GET" and route.resource is not None and route.resource.canonical == "/"
                for route in app.router.routes())

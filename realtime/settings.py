@@ -83,7 +83,7 @@ class Settings:
     body_timeout_s: float = 60.0
     """A request's body must have arrived this long after its headers: 408 and the connection closed."""
     max_bodies_per_ip: int = 16
-    """Requests from one address whose body is still arriving; one more is refused with 429."""
+    """Requests from one address whose head or body is still arriving; one more is refused with 429."""
     trust_forwarded_for: bool = False
     """Take the client address from X-Forwarded-For (only behind a proxy that sets it)."""
     voice_aliases: dict[str, str] = field(default_factory=dict)

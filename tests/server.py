@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 from aiohttp import web
 from voicewire.adapters.base import Engine
 from voicewire.realtime.app import SERVER, create_app
 from voicewire.realtime.auth import AccessLog
+from voicewire.realtime.bodies import CountingSite
 from voicewire.realtime.context import Server, ServerContext
 from voicewire.realtime.settings import Settings
 
@@ -102,7 +106,7 @@ class ServerThread(Loopback):
     async def _start(self) -> None:
         """Listen, then wait until the engine is warm (the server answers /health meanwhile)."""
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await CountingSite(self._runner, "127.0.0.1", self.port).start()
         while self.state.context is None:
             if self.state.engine_error is not None:
                 raise RuntimeError(self.state.engine_error)
@@ -123,3 +127,23 @@ class ServerThread(Loopback):
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+
+
+class ServerProcess(Loopback):
+    """`python -m voicewire.realtime` as an operator runs it, its log (stdout and stderr) in `log`."""
+
+    def __init__(self, log: Path, *args: str) -> None:
+        self.port = free_port()
+        self.log = log
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "voicewire.realtime", "--port", str(self.port),
+                                          *args], stdout=out, stderr=subprocess.STDOUT)
+
+    def lines(self, text: str) -> int:
+        """Log lines containing `text` so far."""
+        return sum(text in line for line in self.log.read_text().splitlines())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
