@@ -241,10 +241,20 @@ def audio_too_long(what: str, limit: float) -> OpenAIError:
 
 @dataclass(slots=True)
 class AudioBudget:
-    """Seconds of audio a non-streamed response may still hold; a batch's items share one."""
+    """Seconds of audio a non-streamed response may still hold, and where each of its parts falls on the
+    response's timeline; a batch's items share one."""
 
     limit: float
     spent: float = 0.0
+    placed: float = 0.0
+    """Expected seconds of the parts placed so far (`place`)."""
+
+    def place(self, seconds: float) -> float:
+        """Put a part expected to last `seconds` after those placed before it; the expected seconds of
+        audio ahead of it."""
+        ahead = self.placed
+        self.placed += seconds
+        return ahead
 
     def spend(self, seconds: float) -> None:
         """Count `seconds` more; raise `audio_too_long` once past the limit (the estimate was short)."""
@@ -300,7 +310,11 @@ class SpeechSynthesis:
     """One planned request through the shared pipeline. Iterate `chunks()` once; then read `usage`,
     `words` and `audio_seconds`. `started` is the request's arrival (`time.monotonic()`): it orders the
     units' engine deadlines against every other session's. A non-streamed response spends its audio from
-    `budget` (`chunks()` raises `audio_too_long` past it)."""
+    `budget` (`chunks()` raises `audio_too_long` past it), and takes its place on the budget's timeline when
+    it is made: the items of a batch, which share one budget, are due one after another (each from the
+    expected end of the items before it), as for one listener hearing them in turn. So a batch holds no
+    more of the engine's turns than one session speaking its items, however costly their text: a session
+    that arrives after it is served between its items, not behind all of them."""
 
     ctx: ServerContext
     plan: SpeechPlan
@@ -311,6 +325,12 @@ class SpeechSynthesis:
     tokens: TokenCounts = NO_TOKENS
     """What the engine counted, every unit (`AudioPiece.tokens`; see `Usage`)."""
     words: list[WordTiming] = field(default_factory=list)
+    due_after_s: float = field(init=False, default=0.0)
+    """Expected audio of the parts of the response placed before this one (`AudioBudget.place`)."""
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            self.due_after_s = self.budget.place(self.plan.audio_estimate_s)
 
     @property
     def sample_rate(self) -> int:
@@ -352,14 +372,15 @@ class SpeechSynthesis:
 
     async def _pieces(self) -> AsyncGenerator[RenderedPiece]:
         """Rendered pieces in text order, through the same `OutputMachine` as a WebSocket session (the plan's
-        units as one utterance, all committed at the request's arrival); their words, on the output
+        units as one utterance, all committed at the request's arrival, or at its place on a batch's
+        timeline); their words, on the output
         timeline, go to `words`. A unit's failure is raised after the pieces before it."""
         config = self.plan.config
         output = OutputMachine(self.ctx.settings.max_units_in_flight)
         wake = asyncio.Event()
         runs = UnitRuns(self.ctx, output, lambda unit: f"{self.request_id}-{unit.sentence_index}", "rest", wake.set,
                         stream=True)
-        committed_ms = self.started * 1000.0
+        committed_ms = (self.started + self.due_after_s) * 1000.0
         try:
             for unit in self.plan.units:
                 output.commit(Unit(utterance_index=0, sentence_index=unit.index, text=unit.text,
