@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -21,8 +22,8 @@ from voicewire.realtime.settings import Settings
 from websockets.typing import Origin
 
 from tests.faults import PacedEngine
-from tests.server import ServerThread
-from tests.wsclient import configure, recv_until, send
+from tests.server import Loopback, ServerProcess, ServerThread
+from tests.wsclient import configure, recv_until, send, utter
 
 KEY = "vw-test-key-0123456789"
 
@@ -218,7 +219,7 @@ def test_the_access_log_redacts_a_token_in_the_request_line_and_the_referer_howe
     assert line.count("=REDACTED") == 2 and "page=2" in line and "lang=en" in line, line
 
 
-def metric(srv: ServerThread, name: str, key: str) -> float:
+def metric(srv: Loopback, name: str, key: str) -> float:
     with urllib.request.urlopen(urllib.request.Request(f"{srv.http_url}/metrics", headers={
             "Authorization": f"Bearer {key}"}), timeout=10) as resp:
         for line in resp.read().decode().splitlines():
@@ -246,6 +247,53 @@ async def test_a_missing_key_file_keeps_the_last_good_keys_loudly(tmp_path: Path
                 await asyncio.sleep(0.2)
         assert metric(srv, "voicewire_api_keys_stale", "static-key") == 0
         assert http(f"{srv.http_url}/v1/models", "file-key-1")[0] == 401
+    finally:
+        srv.stop()
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 120.0) -> None:
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                if check():
+                    return
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            await asyncio.sleep(0.1)
+
+
+async def test_sighup_after_the_key_file_is_deleted_keeps_the_old_keys_loudly_and_keeps_serving(
+        tmp_path: Path) -> None:
+    """Issue 14 #8 exactly: delete the key file, then SIGHUP the real server process."""
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("file-key-1\n")
+    srv = ServerProcess(tmp_path / "server.log", "--api-keys-file", str(keyfile))
+    failed_read = f"cannot read API key file {keyfile}"
+    try:
+        await eventually(lambda: http(f"{srv.http_url}/ready")[0] == 200)
+        async with websockets.connect(srv.ws_url, additional_headers={"Authorization": "Bearer file-key-1"}) as ws:
+            await configure(ws, split_granularity="sentence", response_format="pcm", stream_audio=True)
+            keyfile.unlink()
+            srv.proc.send_signal(signal.SIGHUP)
+            await eventually(lambda: srv.lines(failed_read) >= 1)
+            # Every SIGHUP says it again (the file watcher says it once), at ERROR.
+            before = srv.lines(failed_read)
+            srv.proc.send_signal(signal.SIGHUP)
+            await eventually(lambda: srv.lines(failed_read) > before)
+            assert all(" ERROR " in line for line in srv.log.read_text().splitlines() if failed_read in line)
+            assert metric(srv, "voicewire_api_keys_stale", "file-key-1") == 1
+            assert metric(srv, "voicewire_api_key_reload_failures_total", "file-key-1") >= 2
+            assert srv.proc.poll() is None, "SIGHUP stopped the server"
+            # The last good keys stay in force: the open session speaks, and new requests and sessions pass.
+            done = await utter(ws, "Still speaking after the reload.")
+            assert done.of("session.done") and not done.of("error")
+            assert any(isinstance(item, bytes) for item in done.items)
+        assert http(f"{srv.http_url}/v1/models", "file-key-1")[0] == 200
+        assert http(f"{srv.http_url}/v1/models", "another-key")[0] == 401
+        async with websockets.connect(srv.ws_url + "?token=file-key-1") as again:
+            await configure(again)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0
     finally:
         srv.stop()
 
