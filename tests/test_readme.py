@@ -64,6 +64,14 @@ def test_the_quick_start_serves_on_the_embedded_engine_and_says_it_keeps_the_ter
     assert "keeps the terminal" in QUICK_START and "second terminal" in QUICK_START
 
 
+def test_the_quick_start_says_which_python_it_needs_before_the_install_command() -> None:
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    minimum = re.fullmatch(r">=\s*(\d+\.\d+)", requires)
+    assert minimum, requires
+    before_install = QUICK_START.split("```sh", 1)[0]
+    assert f"Python {minimum[1]} or newer" in before_install
+
+
 def test_ci_runs_exactly_the_readme_test_command() -> None:
     tests = README.split("## Tests", 1)[1].split("\n## ", 1)[0]
     (command,) = blocks(tests, "sh")
