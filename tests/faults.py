@@ -98,14 +98,11 @@ def fault_injecting_hibari(refuse_start_while: str | None = None) -> Engine:
                                 refuse_start_while=None if refuse_start_while is None else Path(refuse_start_while))
 
 
-class PacedEngine:
-    """A slower engine for capacity tests (a named stand-in): passes a real engine's pieces through, but
-    never more than `speed` seconds of audio per second of wall time (it sleeps before a piece that would
-    come early), so one engine slot sustains `speed` real-time streams, whatever the machine."""
+class EngineWrapper:
+    """A real engine with its facts, start and close passed through; subclasses change `synthesize`."""
 
-    def __init__(self, inner: Engine, speed: float) -> None:
+    def __init__(self, inner: Engine) -> None:
         self.inner = inner
-        self.speed = speed
 
     @property
     def info(self) -> EngineInfo:
@@ -116,6 +113,16 @@ class PacedEngine:
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+class PacedEngine(EngineWrapper):
+    """A slower engine for capacity tests (a named stand-in): passes a real engine's pieces through, but
+    never more than `speed` seconds of audio per second of wall time (it sleeps before a piece that would
+    come early), so one engine slot sustains `speed` real-time streams, whatever the machine."""
+
+    def __init__(self, inner: Engine, speed: float) -> None:
+        super().__init__(inner)
+        self.speed = speed
 
     async def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         loop = asyncio.get_running_loop()

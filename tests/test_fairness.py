@@ -12,9 +12,10 @@ import httpx
 import websockets
 from voicewire.adapters.base import Engine
 from voicewire.adapters.registry import create_engine
-from voicewire.protocol.engine import AudioPiece, EngineInfo, SynthesisRequest
+from voicewire.protocol.engine import AudioPiece, SynthesisRequest
 from voicewire.realtime.settings import Settings
 
+from tests.faults import EngineWrapper
 from tests.server import ServerThread
 from tests.wsclient import Received, configure, recv_until, send
 
@@ -55,23 +56,13 @@ async def test_a_backlog_does_not_starve_a_new_sessions_first_unit(server: Serve
     assert finished_before_newcomer < BACKLOG // 3, finished_before_newcomer
 
 
-class GrantLog:
+class GrantLog(EngineWrapper):
     """A real engine that notes each request's id as the server hands it over: the order the scheduler
     granted engine slots in."""
 
     def __init__(self, inner: Engine) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.granted: list[str] = []
-
-    @property
-    def info(self) -> EngineInfo:
-        return self.inner.info
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    async def close(self) -> None:
-        await self.inner.close()
 
     async def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         self.granted.append(request.request_id)
