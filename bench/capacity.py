@@ -20,6 +20,11 @@ reported; a shared machine's spare CPU drifts, so each trial also shows its own)
 (event loop vs the rest), its run-queue wait (time its threads were runnable but had no core) and the
 client's own loop lag are reported, so a failed trial can be blamed on the right party.
 
+Rounds (`--rounds`, default 3): the search (or `--sessions N,...`) is round 1; each later round runs one
+trial at every N that round 1 ran. An N counts as passed only with zero underruns in every round, as every
+smaller N tried had; the report gives underruns per round and the other figures as median [min-max] over
+rounds, under a line naming the date, the machine and the commit.
+
 Run from the repository root: `python -m bench.capacity` (see `--help`; docs/benchmarks.md has results).
 """
 
@@ -29,10 +34,12 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,12 +50,16 @@ from websockets.asyncio.client import ClientConnection
 
 from bench.workload import (
     SENTENCES,
+    Provenance,
     ServerProcess,
     children,
     dump_json,
     first_unit,
+    held_every_round,
     percentile,
     schedstat,
+    spread,
+    spreads,
     table,
     tokens,
     utterance,
@@ -81,6 +92,7 @@ class Reply:
 @dataclass
 class Trial:
     sessions: int
+    round: int = 0
     replies: list[Reply] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     server_loop_cpu: float = 0.0
@@ -144,7 +156,7 @@ class Trial:
         ttfa = [r.ttfa_s * 1000.0 for r in self.replies]
         audio = sum(r.audio_s for r in self.replies)
         return {
-            "sessions": self.sessions, "passed": self.passed, "replies": len(self.replies),
+            "sessions": self.sessions, "round": self.round, "passed": self.passed, "replies": len(self.replies),
             "units": sum(r.units for r in self.replies), "underruns": self.underruns,
             "stall_total_s": sum(r.stall_s for r in self.replies),
             "stall_max_s": max((r.stall_s for r in self.replies), default=0.0), "errors": len(self.errors),
@@ -451,24 +463,64 @@ class _LoopLag:
             self.max_ms = max(self.max_ms, (time.monotonic() - before - 0.01) * 1000.0)
 
 
+FIGURES = {"stall_total_s": "{:.2f}", "ttfa_p50_ms": "{:.0f}", "ttfa_p95_ms": "{:.0f}", "streams_playing": "{:.1f}",
+           "ceiling_rtf": "{:.1f}", "server_cpu_ms_per_audio_s": "{:.2f}", "server_loop_cpu": "{:.2f}",
+           "server_other_cpu": "{:.2f}", "server_runq_wait": "{:.2f}", "client_cpu": "{:.2f}",
+           "client_lag_max_ms": "{:.0f}"}
+"""The figures of `Trial.summary` given per N as median [min-max] over rounds, and their format."""
+
+
 @dataclass
 class SearchResult:
-    max_sessions: int
     trials: list[Trial]
+    rounds: int
+
+    @property
+    def max_sessions(self) -> int:
+        """The largest N with zero underruns and no error in every round, as every smaller N tried had."""
+        return held_every_round(self.passes(), self.rounds)
+
+    def passes(self) -> dict[int, list[bool]]:
+        """Each N tried: whether its trial passed, round by round."""
+        passes: dict[int, list[bool]] = {}
+        for trial in self.trials:
+            passes.setdefault(trial.sessions, []).append(trial.passed)
+        return passes
 
     @property
     def ceiling(self) -> float:
         """Median engine-only aggregate RTF over the runs before each trial."""
         return percentile([t.ceiling["aggregate_rtf"] for t in self.trials], 50)
 
-    @property
-    def best(self) -> Trial | None:
-        return next((t for t in self.trials if t.sessions == self.max_sessions and t.passed), None)
+    def at(self, sessions: int) -> list[Trial]:
+        """The trials at N = `sessions`, one per round that ran it."""
+        return [t for t in self.trials if t.sessions == sessions]
+
+    def round_medians(self, figure: Callable[[Trial], float], passing_only: bool = True) -> list[float]:
+        """Per round, the median of `figure` over that round's trials (passing ones only by default; a trial
+        without the figure, nan, is left out; nan for a round with none)."""
+        medians = []
+        for round_ in range(self.rounds):
+            mine = [t for t in self.trials if t.round == round_ and (t.passed or not passing_only)]
+            medians.append(percentile([v for v in map(figure, mine) if not math.isnan(v)], 50))
+        return medians
+
+    def rows(self) -> list[list[object]]:
+        """Per N, ascending: rounds run, pass and underruns per round, whether it passed in every round, and
+        median [min-max] over rounds of each of `FIGURES`."""
+        rows: list[list[object]] = []
+        for n, passes in sorted(self.passes().items()):
+            mine = self.at(n)
+            held = len(passes) == self.rounds and all(passes)
+            rows.append([n, len(mine), " ".join("yes" if p else "no" for p in passes),
+                         " ".join(str(t.underruns) for t in mine), "yes" if held else "no",
+                         *spreads([t.summary() for t in mine], FIGURES)])
+        return rows
 
     def as_dict(self) -> dict[str, object]:
-        best = self.best
-        return {"ceiling_rtf_median": self.ceiling, "max_sessions": self.max_sessions,
-                "best": best.summary() if best else None, "trials": [t.summary() for t in self.trials]}
+        return {"rounds": self.rounds, "ceiling_rtf_median": self.ceiling, "max_sessions": self.max_sessions,
+                "passed_every_round": {n: len(p) == self.rounds and all(p) for n, p in self.passes().items()},
+                "trials": [t.summary() for t in self.trials]}
 
 
 async def search(args: argparse.Namespace) -> SearchResult:
@@ -480,19 +532,15 @@ async def search(args: argparse.Namespace) -> SearchResult:
     await ceiling.engine.start()
     server = CapacityServer(args.engine_workers, args.engine_isolation, server_cpus)
     trials: list[Trial] = []
-    lo = 0
-    try:
-        await server.wait_ready()
-        print(f"server pid {server.proc.pid} on port {server.port} (attach a profiler here)", flush=True)
-        hi: int | None = None
-        n = args.sessions or args.start
-        while len(trials) < args.max_trials:
-            engine_only = await ceiling.measure(args.ceiling_s)
-            result = await trial(server, n, args)
-            result.ceiling = engine_only
-            trials.append(result)
-            s = result.summary()
-            print(f"ceiling {engine_only['aggregate_rtf']:5.1f} (runq wait {engine_only['runq_wait']:.2f})  "
+
+    async def run(n: int, round_: int) -> Trial:
+        engine_only = await ceiling.measure(args.ceiling_s)
+        result = await trial(server, n, args)
+        result.ceiling = engine_only
+        result.round = round_
+        trials.append(result)
+        s = result.summary()
+        print(f"r{round_ + 1} ceiling {engine_only['aggregate_rtf']:5.1f} (runq wait {engine_only['runq_wait']:.2f})  "
                   f"N={n:4d} {'pass' if result.passed else 'FAIL'}  underruns {s['underruns']}  "
                   f"stall {s['stall_total_s']:.2f} s  ttfa p95 {s['ttfa_p95_ms']:.0f} ms  "
                   f"playing {s['streams_playing']:.1f}  server cpu loop {s['server_loop_cpu']:.2f} "
@@ -504,22 +552,32 @@ async def search(args: argparse.Namespace) -> SearchResult:
                   + f"  unit margin ms p1/p5/p50: {result.margins()}"
                   + (f"  underruns at unit #: {result.underruns_by_unit()}" if result.underruns else ""),
                   flush=True)
-            if result.passed:
+        return result
+
+    try:
+        await server.wait_ready()
+        print(f"server pid {server.proc.pid} on port {server.port} (attach a profiler here)", flush=True)
+        for n in args.sessions:
+            await run(n, 0)
+        lo, hi, n = 0, None, args.start
+        while not args.sessions and len(trials) < args.max_trials:
+            if (await run(n, 0)).passed:
                 lo = n
             else:
                 hi = n
-            if args.sessions:
-                break
             if hi is None:
                 n *= 2
             elif hi - lo <= max(1, round(lo * args.resolution)):
                 break
             else:
                 n = (lo + hi) // 2
+        for round_ in range(1, args.rounds):
+            for n in sorted({t.sessions for t in trials}):
+                await run(n, round_)
     finally:
         server.stop()
         await ceiling.engine.close()
-    return SearchResult(lo, trials)
+    return SearchResult(trials, args.rounds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -527,7 +585,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-workers", type=int, default=2)
     parser.add_argument("--engine-isolation", choices=("process", "thread"), default="process",
                         help="the server's --engine-isolation (its default is process)")
-    parser.add_argument("--sessions", type=int, default=0, help="run one trial at this N instead of searching")
+    parser.add_argument("--sessions", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                        help="run one trial at each of these N (comma-separated) per round instead of searching")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="round 1 searches (or runs --sessions), later rounds rerun every N it ran")
     parser.add_argument("--start", type=int, default=16, help="first N; doubled until a trial fails")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds during which replies start")
     parser.add_argument("--ramp", type=float, default=4.0, help="session start times spread over this")
@@ -537,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compression", choices=("deflate", "none"), default="deflate",
                         help="permessage-deflate offered by the clients (browsers offer it)")
     parser.add_argument("--resolution", type=float, default=0.1, help="stop bisecting at this fraction of N")
-    parser.add_argument("--max-trials", type=int, default=8)
+    parser.add_argument("--max-trials", type=int, default=8, help="trials of the search (round 1)")
     parser.add_argument("--ceiling-s", type=float, default=5.0,
                         help="seconds of the engine-only run before each trial")
     parser.add_argument("--seed", type=int, default=7)
@@ -552,58 +613,73 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    provenance = Provenance.begin()
     result = asyncio.run(search(args))
+    provenance = provenance.end()
     if args.json:
-        print(dump_json({"bench": "capacity", "args": vars(args), **result.as_dict()}))
+        print(dump_json({"bench": "capacity", "provenance": provenance.as_dict(), "args": vars(args),
+                         **result.as_dict()}))
         return 0
     ceiling = result.ceiling
     trials = [t.summary() for t in result.trials]
     print()
-    print(table(["N", "pass", "replies", "units", "underruns", "stall s", "ttfa p50", "ttfa p95", "playing",
+    print(provenance.line())
+    print("each trial:")
+    print(table(["round", "N", "pass", "replies", "units", "underruns", "stall s", "ttfa p50", "ttfa p95", "playing",
                  "ceiling", "loop cpu", "other cpu", "runq wait", "client cpu", "client lag ms"],
-                [[t["sessions"], t["passed"], t["replies"], t["units"], t["underruns"], t["stall_total_s"],
-                  t["ttfa_p50_ms"], t["ttfa_p95_ms"], t["streams_playing"], t["ceiling_rtf"], t["server_loop_cpu"],
-                  t["server_other_cpu"], t["server_runq_wait"], t["client_cpu"], t["client_lag_max_ms"]]
+                [[t["round"] + 1, t["sessions"], t["passed"], t["replies"], t["units"], t["underruns"],
+                  t["stall_total_s"], t["ttfa_p50_ms"], t["ttfa_p95_ms"], t["streams_playing"], t["ceiling_rtf"],
+                  t["server_loop_cpu"], t["server_other_cpu"], t["server_runq_wait"], t["client_cpu"],
+                  t["client_lag_max_ms"]]
                  for t in trials]))
     print("(ttfa in ms; playing: replies playing at once in the steady state, i.e. real-time streams served;\n"
           " ceiling: engine-only aggregate RTF measured just before the trial; cpu and run-queue wait in cores:\n"
           " server event-loop thread, other server threads and engine processes, their run-queue wait, this process;\n"
           " client lag: worst oversleep of this process's loop, which would misdate arrivals)")
     print()
-    print(f"engine ceiling (median aggregate RTF, workers={args.engine_workers}): {ceiling:.1f} real-time streams")
-    best = result.best
-    if best is None:
-        print("no N passed")
-        return 1
-    summary = best.summary()
+    print(f"per N over {args.rounds} rounds: pass and underruns per round; passed: zero underruns in every round; "
+          "the rest median [min-max] over rounds")
+    print(table(["N", "rounds", "pass", "underruns", "passed", "stall s", "ttfa p50", "ttfa p95", "playing", "ceiling",
+                 "server cpu ms/audio s", "loop cpu", "other cpu", "runq wait", "client cpu", "client lag ms"],
+                result.rows()))
+    print()
+    print(f"engine ceiling (aggregate RTF, workers={args.engine_workers}; median [min-max] of the runs before the "
+          f"trials): {spread([t['ceiling_rtf'] for t in trials], '{:.1f}')} real-time streams")
     n = result.max_sessions
-    print(f"largest N with zero underruns: {n}  (p95 TTFA {summary['ttfa_p95_ms']:.0f} ms, "
-          f"{summary['streams_playing']:.1f} streams playing at once)")
+    if n == 0:
+        print("no N passed in every round")
+        return 1
+    at_n = [t.summary() for t in result.at(n)]
+    print(f"largest N with zero underruns in every round: {n}  (p95 TTFA "
+          f"{spread([s['ttfa_p95_ms'] for s in at_n])} ms, "
+          f"{spread([s['streams_playing'] for s in at_n], '{:.1f}')} streams playing at once)")
     print(f"N / ceiling: {n / ceiling:.2f}  (target >= 0.80); streams playing / ceiling: "
-          f"{summary['streams_playing'] / ceiling:.2f}")
-    passed = [t for t in result.trials if t.passed and t.streams_playing > 0]
-    server_cost = percentile([t.cpu_per_stream_ms for t in passed], 50)
-    engine_cost = percentile([t.ceiling["cpu_ms_per_audio_s"] for t in result.trials], 50)
-    print(f"CPU per second of audio (median): server {server_cost:.2f} ms (all threads, passing trials), "
-          f"engine alone {engine_cost:.2f} ms; efficiency {engine_cost / server_cost:.2f} "
+          f"{spread([s['streams_playing'] / ceiling for s in at_n], '{:.2f}')}")
+    server_cost = result.round_medians(lambda t: t.cpu_per_stream_ms)
+    engine_cost = result.round_medians(lambda t: t.ceiling["cpu_ms_per_audio_s"], passing_only=False)
+    efficiency = [e / s for e, s in zip(engine_cost, server_cost, strict=True)]
+    print(f"CPU per second of audio (each round's median, then median [min-max] over rounds): server "
+          f"{spread(server_cost, '{:.2f}')} ms (all threads, passing trials), engine alone "
+          f"{spread(engine_cost, '{:.2f}')} ms; efficiency {spread(efficiency, '{:.2f}')} "
           "(the fraction of the ceiling a dedicated machine would reach if CPU were the only limit)")
-    print_components(passed, engine_cost)
+    print_components(result, engine_cost)
     return 0
 
 
-def print_components(trials: list[Trial], engine_alone_ms: float) -> None:
-    """The server's CPU per second of audio by component (median over `trials`), and the serving path's
-    own share: everything but the engine threads, plus what the engine threads spent beyond the engine
-    alone (sharing cores, more and shorter units)."""
-    if not trials:
-        return
-    per = [t.component_ms() for t in trials]
-    medians = {name: percentile([p[name] for p in per], 50) for name in COMPONENTS}
-    serving = sum(v for k, v in medians.items() if k != "engine")
-    print("CPU ms per second of audio by component (median of passing trials): "
-          + ", ".join(f"{name} {ms:.2f}" for name, ms in medians.items()))
-    print(f"serving path (all but the engine threads): {serving:.2f} ms; engine threads {medians['engine']:.2f} ms "
-          f"against {engine_alone_ms:.2f} ms for the engine alone")
+def print_components(result: SearchResult, engine_alone_ms: list[float]) -> None:
+    """The server's CPU per second of audio by component (each round's median over its passing trials, then
+    median [min-max] over rounds), and the serving path's own share: everything but the engine threads,
+    plus what the engine threads spent beyond the engine alone (sharing cores, more and shorter units)."""
+    per = {name: result.round_medians(_component(name)) for name in COMPONENTS}
+    serving = [sum(per[name][r] for name in COMPONENTS if name != "engine") for r in range(result.rounds)]
+    print("CPU ms per second of audio by component (each round's median of its passing trials, median [min-max] "
+          "over rounds): " + ", ".join(f"{name} {spread(values, '{:.2f}')}" for name, values in per.items()))
+    print(f"serving path (all but the engine threads): {spread(serving, '{:.2f}')} ms; engine threads "
+          f"{spread(per['engine'], '{:.2f}')} ms against {spread(engine_alone_ms, '{:.2f}')} ms for the engine alone")
+
+
+def _component(name: str) -> Callable[[Trial], float]:
+    return lambda trial: trial.component_ms()[name]
 
 
 if __name__ == "__main__":

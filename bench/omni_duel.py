@@ -67,7 +67,7 @@ from typing import Any, Final, cast
 import aiohttp
 from voicewire.protocol.segmenter import Segmenter
 
-from bench.workload import Stream, percentile, play, spread, table
+from bench.workload import Provenance, Stream, percentile, play, spread, table
 from tests.server import free_port
 
 TEXT: Final = ("Your flight to Tokyo departs from gate B twelve at noon and boarding begins forty minutes earlier "
@@ -493,12 +493,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="run nothing: print the report of saved omni_duel.json files, joined (one per server)")
     args = parser.parse_args(argv)
     if args.report is not None:
-        joined = merge([json.loads(path.read_text()) for path in args.report])
+        parts = [json.loads(path.read_text()) for path in args.report]
+        for part in parts:
+            if "provenance" in part:
+                print(Provenance(**part["provenance"]).line())
+        joined = merge(parts)
         for name, server in joined["servers"].items():
             print(f"{name}: " + (f"ready in {server['ready_s']:.0f} s" if "ready_s" in server
                                  else f"did not start: {server.get('error')}"))
         print(report(joined, sorted(joined["servers"], key=lambda name: (name not in SERVERS, name))), flush=True)
         return 0
+    provenance = Provenance.begin()
     began = time.perf_counter()
     segmenter = Segmenter("sentence")
     if len([*segmenter.push(TEXT, 0.0), *segmenter.flush()]) != 1:
@@ -521,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     rate = sample_rate(models[task_types[0]])
     fields = {"response_format": "pcm", "max_new_tokens": args.frames}
     results: dict[str, Any] = {"shape": args.shape, "frames": args.frames, "text_chars": len(TEXT), "rate": rate,
-                               "deploy_base": str(base), "deploy": deploy.read_text(), "levels": [], "servers": {}}
+                               "deploy_base": str(base), "deploy": deploy.read_text(), "levels": [], "servers": {},
+                               "provenance": provenance.as_dict()}
     print(f"model {args.shape}, {', '.join(task_types)} at {root}; stage config {base} -> {deploy}", flush=True)
     specs = {server_name(kind, task): (kind, task) for task in task_types for kind in servers}
     groups = [[name] for name in specs] if args.sequential else [list(specs)]
@@ -537,8 +543,11 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     stop_all(list(started.values()))
     finally:
+        ended = provenance.end()
+        results["provenance"] = ended.as_dict()
         if args.out is not None:
             (args.out / "omni_duel.json").write_text(json.dumps(results, indent=1))
+        print(ended.line())
         print(report(results, list(specs)), flush=True)
     return 1 if any("error" in server for server in results["servers"].values()) else 0  # one did not start
 

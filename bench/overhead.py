@@ -30,6 +30,11 @@ decode, segment, schedule, render, send, loopback).
    the cores: a trial that falls behind with low CPU and a high server wait was starved, not waiting on
    a timer or the network.
 
+`--rounds` (default 3) repeats both parts on the same servers (each round stops each server at its own first
+failure). The report is median [min-max] over rounds of each round's figure, under a line naming the date,
+the machine and the commit; an N counts as passed for a server only if it passed in every round, as did
+every smaller N.
+
 Run from the repository root: `python -m bench.overhead` (see `--help`; docs/benchmarks.md has results).
 """
 
@@ -45,13 +50,25 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 import numpy as np
 from aiohttp import WSMsgType, web
 
-from bench.workload import SENTENCES, dump_json, percentile, schedstat, stop_process, table
+from bench.workload import (
+    SENTENCES,
+    Provenance,
+    dump_json,
+    held_every_round,
+    percentile,
+    schedstat,
+    spread,
+    spreads,
+    stop_process,
+    table,
+)
 from bench.workload import ServerProcess as Server
 from tests.server import free_port
 
@@ -141,6 +158,7 @@ class BaselineServer:
 class Trial:
     server: str
     streams: int
+    round: int = 0
     latencies_ms: list[float] = field(default_factory=list)
     underruns: int = 0
     errors: list[str] = field(default_factory=list)
@@ -159,16 +177,74 @@ class Trial:
         rate = self.audio_s / self.window_s if self.window_s else 0.0
         return self.server_cpu / rate * 1000.0 if rate else math.nan
 
+    @property
+    def streams_per_core(self) -> float:
+        """1000 / `cpu_ms_per_audio_s`: the streams a whole core would sustain if CPU were the only limit."""
+        return 1000.0 / self.cpu_ms_per_audio_s if self.cpu_ms_per_audio_s else math.nan
+
     def passed(self, lead_s: float) -> bool:
         return (not self.errors and self.underruns == 0 and bool(self.latencies_ms)
                 and percentile(self.latencies_ms, 99) < lead_s * 1000.0 and self.server_cpu < 0.95)
 
+    def figures(self) -> dict[str, float]:
+        """The trial's figures that the report gives as median [min-max] over rounds (`TRIAL_FIGURES`)."""
+        return {"lat_p50": percentile(self.latencies_ms, 50), "lat_p99": percentile(self.latencies_ms, 99),
+                "audio_s_per_s": self.audio_s / self.window_s if self.window_s else 0.0,
+                "server_cpu": self.server_cpu, "cpu_ms_per_audio_s": self.cpu_ms_per_audio_s,
+                "streams_per_core": self.streams_per_core, "client_cpu": self.client_cpu,
+                "server_wait": self.server_wait, "client_wait": self.client_wait}
+
     def row(self, lead_s: float) -> list[object]:
-        return [self.server, self.streams, "yes" if self.passed(lead_s) else "no", len(self.latencies_ms),
-                self.underruns, len(self.errors), percentile(self.latencies_ms, 50),
-                percentile(self.latencies_ms, 99), self.audio_s / self.window_s if self.window_s else 0.0,
-                self.server_cpu, self.cpu_ms_per_audio_s, 1000.0 / self.cpu_ms_per_audio_s, self.client_cpu,
-                self.server_wait, self.client_wait]
+        return [self.round + 1, self.server, self.streams, "yes" if self.passed(lead_s) else "no",
+                len(self.latencies_ms), self.underruns, len(self.errors), *self.figures().values()]
+
+
+TRIAL_FIGURES = {"lat_p50": "{:.2f}", "lat_p99": "{:.2f}", "audio_s_per_s": "{:.0f}", "server_cpu": "{:.2f}",
+                 "cpu_ms_per_audio_s": "{:.3f}", "streams_per_core": "{:.0f}", "client_cpu": "{:.2f}",
+                 "server_wait": "{:.2f}", "client_wait": "{:.2f}"}
+TRIAL_COLUMNS = ["lat p50", "lat p99", "audio s/s", "server cpu", "cpu ms/audio s", "streams/core est",
+                 "client cpu", "server wait", "client wait"]
+
+
+def trial_rows(trials: Sequence[Trial], lead_s: float) -> list[list[object]]:
+    """Per server and N (in the order first run): the rounds that ran it, pass and underruns per round, and
+    median [min-max] over those rounds of each of `TRIAL_FIGURES`."""
+    groups: dict[tuple[str, int], list[Trial]] = {}
+    for trial in trials:
+        groups.setdefault((trial.server, trial.streams), []).append(trial)
+    return [[server, n, len(mine), " ".join("yes" if t.passed(lead_s) else "no" for t in mine),
+             " ".join(str(t.underruns) for t in mine), sum(len(t.errors) for t in mine),
+             *spreads([t.figures() for t in mine], TRIAL_FIGURES)]
+            for (server, n), mine in groups.items()]
+
+
+def verdict(trials: Sequence[Trial], server: str, rounds: int, lead_s: float) -> str:
+    """One server's result over rounds: the largest N that passed in every round (as did every smaller N),
+    each round's largest N passed, and the CPU-bound streams per core (each round's median over its
+    passing trials) as median [min-max] over rounds."""
+    mine = [t for t in trials if t.server == server]
+    passes: dict[int, list[bool]] = {}
+    for trial in mine:
+        passes.setdefault(trial.streams, []).append(trial.passed(lead_s))
+    largest, estimates = [], []
+    for round_ in range(rounds):
+        passed = [t for t in mine if t.round == round_ and t.passed(lead_s)]
+        largest.append(max((t.streams for t in passed), default=0))
+        estimates.append(percentile([t.streams_per_core for t in passed], 50))
+    return (f"{server}: largest N passed in every round {held_every_round(passes, rounds)} (per round: "
+            f"{' '.join(map(str, largest))}); CPU-bound estimate {spread(estimates)} streams per core "
+            "(each round's median of its passing trials)")
+
+
+def latency_figures(lat: dict[str, list[float]]) -> dict[str, float]:
+    """One round's idle latency: p50 and p99 of each server, and the serving path's addition (voicewire -
+    baseline) and ratio at each."""
+    figures = {f"{name} {q}": percentile(values, p) for name, values in lat.items()
+               for q, p in (("p50", 50), ("p99", 99))}
+    for q in ("p50", "p99"):
+        figures[f"added {q}"] = figures[f"voicewire {q}"] - figures[f"baseline {q}"]
+        figures[f"ratio {q}"] = figures[f"voicewire {q}"] / figures[f"baseline {q}"]
+    return figures
 
 
 class Stream:
@@ -237,8 +313,9 @@ class Stream:
             await asyncio.sleep(max(0.0, plays_until - lead_s - time.perf_counter()))
 
 
-async def run_trial(name: str, server: Server | BaselineServer, n: int, args: argparse.Namespace, seed: int) -> Trial:
-    trial = Trial(name, n)
+async def run_trial(name: str, server: Server | BaselineServer, n: int, args: argparse.Namespace, seed: int,
+                    round_: int) -> Trial:
+    trial = Trial(name, n, round_)
     rng = random.Random(seed)
     streams = [Stream(i, server.ws_url, random.Random(rng.random())) for i in range(n)]
     limit = asyncio.Semaphore(64)
@@ -293,7 +370,8 @@ async def latency(servers: dict[str, Server | BaselineServer], reps: int, seed: 
     return result
 
 
-async def bench(args: argparse.Namespace) -> dict[str, object]:
+async def bench(args: argparse.Namespace) -> list[tuple[dict[str, list[float]], list[Trial]]]:
+    """Each round's idle latency and trials, on one pair of servers."""
     os.sched_setaffinity(0, {args.client_cpu})
     cpus = {args.server_cpu}
     servers: dict[str, Server | BaselineServer] = {"voicewire": Server("null", 100000, cpus=cpus),
@@ -303,28 +381,32 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
             await server.wait_ready()
         print(f"servers on cpu {args.server_cpu}: " + ", ".join(f"{k} pid {s.pid}" for k, s in servers.items())
               + f"; clients on cpu {args.client_cpu}", flush=True)
-        lat = await latency(servers, args.latency_reps, args.seed)
-        for name, values in lat.items():
-            print(f"idle latency {name}: p50 {percentile(values, 50):.3f} ms  p99 {percentile(values, 99):.3f} ms",
-                  flush=True)
-        trials: list[Trial] = []
-        failed: set[str] = set()
-        for n in args.streams:
-            for name, server in servers.items():
-                if name in failed:
-                    continue
-                trial = await run_trial(name, server, n, args, args.seed + n)
-                trials.append(trial)
-                print("  ".join(str(round(v, 2) if isinstance(v, float) else v) for v in trial.row(args.lead)),
-                      flush=True)
-                if not trial.passed(args.lead):
-                    failed.add(name)
-            if len(failed) == len(servers):
-                break
+        rounds = []
+        for round_ in range(args.rounds):
+            seed = args.seed + 1000 * round_
+            lat = await latency(servers, args.latency_reps, seed)
+            for name, values in lat.items():
+                print(f"round {round_ + 1} idle latency {name}: p50 {percentile(values, 50):.3f} ms  "
+                      f"p99 {percentile(values, 99):.3f} ms", flush=True)
+            trials: list[Trial] = []
+            failed: set[str] = set()
+            for n in args.streams:
+                for name, server in servers.items():
+                    if name in failed:
+                        continue
+                    trial = await run_trial(name, server, n, args, seed + n, round_)
+                    trials.append(trial)
+                    print("  ".join(str(round(v, 2) if isinstance(v, float) else v) for v in trial.row(args.lead)),
+                          flush=True)
+                    if not trial.passed(args.lead):
+                        failed.add(name)
+                if len(failed) == len(servers):
+                    break
+            rounds.append((lat, trials))
     finally:
         for server in servers.values():
             server.stop()
-    return {"latency_ms": lat, "trials": trials}
+    return rounds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ramp", type=float, default=3.0, help="stream start times spread over this")
     parser.add_argument("--lead", type=float, default=0.3,
                         help="a stream asks for its next sentence this many seconds before its audio runs out")
-    parser.add_argument("--latency-reps", type=int, default=200, help="idle units timed per server")
+    parser.add_argument("--latency-reps", type=int, default=200, help="idle units timed per server and round")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of both parts, reported as median [min-max]")
     parser.add_argument("--server-cpu", type=int, default=0)
     parser.add_argument("--client-cpu", type=int, default=1)
     parser.add_argument("--seed", type=int, default=7)
@@ -349,33 +432,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_baseline:
         web.run_app(baseline_app(), host="127.0.0.1", port=args.serve_baseline, print=None)
         return 0
-    result = asyncio.run(bench(args))
-    lat = result["latency_ms"]
-    trials = result["trials"]
-    assert isinstance(lat, dict) and isinstance(trials, list)
-    ours, base = lat["voicewire"], lat["baseline"]
-    print(f"\noverhead: server and baseline on cpu {args.server_cpu}, clients on cpu {args.client_cpu}, null engine, "
-          f"pcm 24 kHz, lead {args.lead:g} s")
-    print(table(["server", "units", "p50 ms", "p99 ms"],
-                [[name, len(v), percentile(v, 50), percentile(v, 99)] for name, v in lat.items()]))
-    print("serving path added per unit (voicewire - baseline): "
-          f"p50 {percentile(ours, 50) - percentile(base, 50):.3f} ms, "
-          f"p99 {percentile(ours, 99) - percentile(base, 99):.3f} ms; ratio p50 "
-          f"{percentile(ours, 50) / percentile(base, 50):.2f}, p99 {percentile(ours, 99) / percentile(base, 99):.2f}")
+    provenance = Provenance.begin()
+    rounds = asyncio.run(bench(args))
+    provenance = provenance.end()
+    trials = [t for _, mine in rounds for t in mine]
+    latencies = [latency_figures(lat) for lat, _ in rounds]
     print()
-    print(table(["server", "N", "pass", "units", "underruns", "errors", "lat p50", "lat p99", "audio s/s",
-                 "server cpu", "cpu ms/audio s", "streams/core est", "client cpu", "server wait", "client wait"],
+    print(provenance.line())
+    print(f"overhead: server and baseline on cpu {args.server_cpu}, clients on cpu {args.client_cpu}, null engine, "
+          f"pcm 24 kHz, lead {args.lead:g} s; median [min-max] over {args.rounds} rounds of each round's figure")
+    print(table(["server", "units per round", "p50 ms", "p99 ms"],
+                [[name, len(values), *spreads(latencies, {f"{name} p50": "{:.3f}", f"{name} p99": "{:.3f}"})]
+                 for name, values in rounds[0][0].items()]))
+    added = spreads(latencies, {"added p50": "{:.3f}", "added p99": "{:.3f}", "ratio p50": "{:.2f}",
+                                "ratio p99": "{:.2f}"})
+    print(f"serving path added per unit (voicewire - baseline): p50 {added[0]} ms, p99 {added[1]} ms; "
+          f"ratio p50 {added[2]}, p99 {added[3]}")
+    print()
+    print("each trial:")
+    print(table(["round", "server", "N", "pass", "units", "underruns", "errors", *TRIAL_COLUMNS],
                 [t.row(args.lead) for t in trials]))
+    print()
+    print("per server and N: pass and underruns per round, the rest median [min-max] over the rounds that ran it")
+    print(table(["server", "N", "rounds", "pass", "underruns", "errors", *TRIAL_COLUMNS],
+                trial_rows(trials, args.lead)))
     for name in ("voicewire", "baseline"):
-        mine = [t for t in trials if t.server == name]
-        passed = [t.streams for t in mine if t.passed(args.lead)]
-        best = max(passed, default=0)
-        est = percentile([1000.0 / t.cpu_ms_per_audio_s for t in mine if t.passed(args.lead)], 50)
-        print(f"{name}: largest N passed {best}; CPU-bound estimate {est:.0f} streams per core (median of passing "
-              "trials)")
+        print(verdict(trials, name, args.rounds, args.lead))
     if args.json:
-        print(dump_json({"bench": "overhead", "args": vars(args), "latency_ms": lat,
-                         "trials": [{**vars(t), "passed": t.passed(args.lead)} for t in trials]}))
+        print(dump_json({"bench": "overhead", "provenance": provenance.as_dict(), "args": vars(args),
+                         "rounds": [{"latency_ms": lat,
+                                     "trials": [{**vars(t), "passed": t.passed(args.lead)} for t in mine]}
+                                    for lat, mine in rounds]}))
     return 0
 
 

@@ -58,7 +58,7 @@ from voicewire.adapters.talker_testing import LLAMA_3_2_3B, SNAC_24KHZ, TINY_LLA
 from voicewire.protocol.engine import SynthesisRequest
 from voicewire.realtime.settings import Settings
 
-from bench.workload import percentile, play, spread, table
+from bench.workload import Provenance, percentile, play, spread, table
 from tests.server import ServerThread
 
 TEXT = ("Your flight to Tokyo departs from gate B twelve at noon, and boarding begins forty minutes earlier, "
@@ -231,13 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no level or round once this many seconds have passed since the bench began")
     args = parser.parse_args(argv)
+    provenance = Provenance.begin()
     bench_began = time.perf_counter()
     levels = [(int(c.split(":")[0]), int(c.split(":")[1]) if ":" in c else None)
               for c in args.concurrency.split(",")]
     top = max(c for c, _ in levels)
     root = Path(tempfile.mkdtemp(prefix="talker-bench-"))
     big = args.shape == "3b"
-    results: dict[str, Any] = {"shape": args.shape, "text_chars": len(TEXT), "levels": []}
+    results: dict[str, Any] = {"shape": args.shape, "text_chars": len(TEXT), "levels": [],
+                               "provenance": provenance.as_dict()}
     if not args.no_micro and _cuda():
         results["codec_micro"] = micro = codec_micro(root, SNAC_24KHZ if big else TINY_SNAC, 64)
         print(json.dumps(micro, indent=1), flush=True)
@@ -274,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _levels(args, levels, engine, server, codec, results, rows, stage_rows, summary, spent)
     finally:
+        ended = provenance.end()
+        results["provenance"] = ended.as_dict()
+        print(ended.line())
         _report(rows, stage_rows, summary)
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)

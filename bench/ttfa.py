@@ -16,6 +16,10 @@ difference is what the serving path adds.
   to the socket), which splits our overhead into server side and loopback/client side.
 - Engine TTFA: `synthesize()` call to its first `AudioPiece`, on the server's loop.
 
+`--rounds` (default 5) repeats the whole measurement, every mode in each round on a fresh session of the
+same server; the summary is median [min-max] over rounds of each round's figure, under a line naming the
+date, the machine and the commit.
+
 Run from the repository root: `python -m bench.ttfa` (see `--help`; docs/benchmarks.md has results).
 """
 
@@ -27,7 +31,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -38,11 +42,15 @@ from voicewire.protocol.segmenter import SplitGranularity
 from voicewire.realtime.settings import Settings
 from websockets.asyncio.client import ClientConnection
 
-from bench.workload import SENTENCES, dump_json, first_unit, percentile, table, tokens
+from bench.workload import SENTENCES, Provenance, dump_json, first_unit, percentile, spreads, table, tokens
 from tests.server import ServerThread
 
 T = TypeVar("T")
 MODES: tuple[SplitGranularity, ...] = ("none", "sentence")
+FIGURES = {key: "{:.1f}" for key in (
+    "engine_p50_ms", "engine_p95_ms", "ws_p50_ms", "ws_p95_ms", "server_p50_ms", "server_p95_ms", "overhead_p50_ms",
+    "overhead_p95_ms", "path_overhead_p50_ms", "path_overhead_p95_ms")} | {"ratio_p50": "{:.2f}"}
+"""The figures of `ModeResult.summary` the report gives as median [min-max] over rounds, and their format."""
 
 
 @dataclass
@@ -168,40 +176,57 @@ class Bench:
                     raise RuntimeError(f"server error: {event}")
 
 
-async def run(args: argparse.Namespace, server: ServerThread) -> list[ModeResult]:
+async def run(args: argparse.Namespace, server: ServerThread) -> list[list[ModeResult]]:
+    """`--rounds` rounds, each every mode in turn, so a slow spell of the machine hits every mode; each
+    round's sentences from its own seed (`--seed` + round)."""
     bench = Bench(server, args.settle_ms / 1000.0)
-    rng = random.Random(args.seed)
-    results = []
-    for mode in args.modes:
-        result = ModeResult(mode)
-        compression = None if args.compression == "none" else "deflate"
-        async with websockets.connect(server.ws_url, max_size=None, compression=compression) as ws:
-            await ws.send(json.dumps({"type": "session.config", "response_format": "pcm", "stream_audio": True,
-                                      "split_granularity": mode}))
-            updated = json.loads(await ws.recv())
-            assert updated["type"] == "session.updated", updated
-            for rep in range(args.warmup + args.reps):
-                first, second = rng.sample(SENTENCES, 2)
-                text = first if mode == "none" else f"{first} {second}"
-                # prime: both timed runs below then see this text second or later (warm caches either way)
-                unit = _first_unit_text(mode, text)
-                await bench.engine_first_ms(unit)
-                if rep % 2 == 0:
-                    measured = await bench.utterance(ws, mode, text)
-                    engine_ms, engine_compute = await bench.engine_first_ms(measured.unit_text)
-                else:
-                    engine_ms, engine_compute = await bench.engine_first_ms(unit)
-                    measured = await bench.utterance(ws, mode, text)
-                    assert measured.unit_text == unit, (measured, text)
-                if rep >= args.warmup:
-                    result.ws_ms.append(measured.ws_ms)
-                    result.server_ms.append(measured.server_ms)
-                    result.engine_ms.append(engine_ms)
-                    if measured.compute_ms is not None and engine_compute is not None:
-                        result.ws_compute_ms.append(measured.compute_ms)
-                        result.engine_compute_ms.append(engine_compute)
-        results.append(result)
-    return results
+    rounds = []
+    for round_ in range(args.rounds):
+        rng = random.Random(args.seed + round_)
+        rounds.append([await run_mode(bench, mode, args, rng) for mode in args.modes])
+    return rounds
+
+
+async def run_mode(bench: Bench, mode: SplitGranularity, args: argparse.Namespace, rng: random.Random) -> ModeResult:
+    """One session in `mode`: `--warmup` utterances, then `--reps` measured ones."""
+    result = ModeResult(mode)
+    compression = None if args.compression == "none" else "deflate"
+    async with websockets.connect(bench.server.ws_url, max_size=None, compression=compression) as ws:
+        await ws.send(json.dumps({"type": "session.config", "response_format": "pcm", "stream_audio": True,
+                                  "split_granularity": mode}))
+        updated = json.loads(await ws.recv())
+        assert updated["type"] == "session.updated", updated
+        for rep in range(args.warmup + args.reps):
+            first, second = rng.sample(SENTENCES, 2)
+            text = first if mode == "none" else f"{first} {second}"
+            # prime: both timed runs below then see this text second or later (warm caches either way)
+            unit = _first_unit_text(mode, text)
+            await bench.engine_first_ms(unit)
+            if rep % 2 == 0:
+                measured = await bench.utterance(ws, mode, text)
+                engine_ms, engine_compute = await bench.engine_first_ms(measured.unit_text)
+            else:
+                engine_ms, engine_compute = await bench.engine_first_ms(unit)
+                measured = await bench.utterance(ws, mode, text)
+                assert measured.unit_text == unit, (measured, text)
+            if rep >= args.warmup:
+                result.ws_ms.append(measured.ws_ms)
+                result.server_ms.append(measured.server_ms)
+                result.engine_ms.append(engine_ms)
+                if measured.compute_ms is not None and engine_compute is not None:
+                    result.ws_compute_ms.append(measured.compute_ms)
+                    result.engine_compute_ms.append(engine_compute)
+    return result
+
+
+def summary_rows(rounds: Sequence[Sequence[Mapping[str, Any]]], modes: Sequence[str]) -> list[list[object]]:
+    """Per mode: its rounds, then median [min-max] over them of each of `FIGURES` (`rounds`: each round's
+    `ModeResult.summary()` per mode)."""
+    rows: list[list[object]] = []
+    for mode in modes:
+        mine = [s for round_ in rounds for s in round_ if s["mode"] == mode]
+        rows.append([mode, len(mine), *spreads(mine, FIGURES)])
+    return rows
 
 
 def _first_unit_text(mode: SplitGranularity, text: str) -> str:
@@ -223,7 +248,9 @@ def _done() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--reps", type=int, default=60, help="measured utterances per mode")
+    parser.add_argument("--rounds", type=int, default=5, help="measured runs of every mode, reported as median "
+                        "[min-max]")
+    parser.add_argument("--reps", type=int, default=60, help="measured utterances per mode and round")
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured utterances per mode first")
     parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
                         help="comma-separated split modes: none,sentence")
@@ -249,26 +276,32 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
         except ImportError:
             pass
+    provenance = Provenance.begin()
     server = ServerThread(Settings(engine=args.engine, engine_workers=args.engine_workers,
                                    engine_isolation=args.engine_isolation))
     try:
-        results = asyncio.run(run(args, server))
+        rounds = asyncio.run(run(args, server))
     finally:
         server.stop()
-    summaries = [r.summary() for r in results]
+    provenance = provenance.end()
+    summaries = [[r.summary() for r in round_] for round_ in rounds]
     if args.json:
-        print(dump_json({"bench": "ttfa", "args": vars(args), "results": summaries,
-                         "raw": [vars(r) for r in results]}))
+        print(dump_json({"bench": "ttfa", "provenance": provenance.as_dict(), "args": vars(args),
+                         "rounds": [{"results": s, "raw": [vars(r) for r in round_]}
+                                    for s, round_ in zip(summaries, rounds, strict=True)]}))
         return 0
-    print(f"TTFA, {args.reps} utterances per mode, engine {args.engine} (workers={args.engine_workers}, "
-          f"{args.engine_isolation}), client compression {args.compression}, uvloop {not args.no_uvloop}")
-    print(table(
-        ["mode", "n", "engine p50", "engine p95", "ws p50", "ws p95", "server p50", "server p95",
-         "overhead p50", "overhead p95", "path p50", "path p95", "ratio p50"],
-        [[s["mode"], s["n"], s["engine_p50_ms"], s["engine_p95_ms"], s["ws_p50_ms"], s["ws_p95_ms"],
-          s["server_p50_ms"], s["server_p95_ms"], s["overhead_p50_ms"], s["overhead_p95_ms"],
-          s["path_overhead_p50_ms"], s["path_overhead_p95_ms"], s["ratio_p50"]]
-         for s in summaries]))
+    print(provenance.line())
+    print(f"TTFA, {args.rounds} rounds of {args.reps} utterances per mode, engine {args.engine} "
+          f"(workers={args.engine_workers}, {args.engine_isolation}), client compression {args.compression}, "
+          f"uvloop {not args.no_uvloop}")
+    names = ["engine p50", "engine p95", "ws p50", "ws p95", "server p50", "server p95", "overhead p50",
+             "overhead p95", "path p50", "path p95", "ratio p50"]
+    print(table(["round", "mode", "n", *names],
+                [[number + 1, s["mode"], s["n"], *(s[key] for key in FIGURES)]
+                 for number, round_ in enumerate(summaries) for s in round_]))
+    print()
+    print(f"median [min-max] over {args.rounds} rounds of each round's figure:")
+    print(table(["mode", "rounds", *names], summary_rows(summaries, args.modes)))
     print("(ms. engine: synthesize() to first piece on the server's loop; ws: timed message sent to first binary "
           "frame at the client;\n server: the server's own timings.first_audio_ms; overhead: ws - engine, paired per "
           "utterance;\n path: the same with each side's engine compute (model + DSP) taken out, which removes "

@@ -1,6 +1,7 @@
 """What the benches feed the server and how they summarise it: varied sentences, LLM-like token streams,
-where the first synthesis unit is committed, percentiles and plain-text tables; and the server itself,
-run as its own process (`ServerProcess`).
+where the first synthesis unit is committed, percentiles, median [min-max] over rounds, plain-text tables
+and the header line that says when, where and on which commit a bench ran (`Provenance`); and the server
+itself, run as its own process (`ServerProcess`).
 
 The first-unit position comes from running the same pure `Segmenter` the server runs, with the server's
 settings, so a bench knows exactly which delta completes the first unit without guessing.
@@ -10,17 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import datetime
 import json
 import math
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 from voicewire.protocol.segmenter import Segmenter, SplitGranularity
@@ -87,8 +92,106 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def spread(values: Sequence[float], fmt: str = "{:.0f}") -> str:
-    """`median [min-max]` of one figure over rounds."""
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+    """`median [min-max]` of one figure over rounds; rounds without it (nan) are left out, and with none
+    left it is `-`."""
+    known = [v for v in values if not math.isnan(v)]
+    if not known:
+        return "-"
+    return f"{fmt.format(statistics.median(known))} [{fmt.format(min(known))}-{fmt.format(max(known))}]"
+
+
+def spreads(rounds: Sequence[Mapping[str, float]], figures: Mapping[str, str]) -> list[str]:
+    """`spread` over `rounds` (each round's figures by key) of each figure in `figures` (key -> format)."""
+    return [spread([float(r[key]) for r in rounds], fmt) for key, fmt in figures.items()]
+
+
+def held_every_round(passes: Mapping[int, Sequence[bool]], rounds: int) -> int:
+    """The largest level (N sessions, N streams) that passed in each of `rounds` rounds, as did every
+    smaller level tried; 0 for none. `passes` maps each level tried to its rounds' outcomes; a level run in
+    fewer rounds (a round stopped before it) does not hold."""
+    best = 0
+    for level in sorted(passes):
+        outcomes = passes[level]
+        if len(outcomes) < rounds or not all(outcomes):
+            break
+        best = level
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """When, where and on which code a bench ran: the header line above its results and the `provenance`
+    of its JSON. `begin()` when the bench starts, `end()` when it reports (the load average is read at
+    both: a busy machine moves the figures)."""
+
+    started: str
+    """UTC, ISO 8601 to the second."""
+    host: str
+    cpu: str
+    """The CPU model as /proc/cpuinfo names it."""
+    cores: int
+    load_before: tuple[float, float, float]
+    commit: str
+    """`git rev-parse --short HEAD`, `+dirty` when tracked files have changes; without a git checkout (a
+    device machine gets the files only) $VOICEWIRE_COMMIT, else `unknown`."""
+    ended: str = ""
+    load_after: tuple[float, float, float] | None = None
+
+    @classmethod
+    def begin(cls) -> Provenance:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpu = cpu_model(f.read())
+        except OSError:
+            cpu = "unknown CPU"
+        return cls(_utc_now(), socket.gethostname(), cpu, os.cpu_count() or 0, os.getloadavg(), git_commit())
+
+    def end(self) -> Provenance:
+        return dataclasses.replace(self, ended=_utc_now(), load_after=os.getloadavg())
+
+    def line(self) -> str:
+        """`2026-12-05 10:31:07-10:45:12 UTC, host (CPU, 2 cores), load 0.41 0.35 0.30 -> 1.20 0.80 0.50,
+        commit 6e464c8+dirty`."""
+        when = f"{self.started[:10]} {self.started[11:19]}"
+        if self.ended:
+            when += "-" + (self.ended[11:19] if self.ended[:10] == self.started[:10]
+                           else f"{self.ended[:10]} {self.ended[11:19]}")
+        load = " ".join(f"{v:.2f}" for v in self.load_before)
+        if self.load_after is not None:
+            load += " -> " + " ".join(f"{v:.2f}" for v in self.load_after)
+        return f"{when} UTC, {self.host} ({self.cpu}, {self.cores} cores), load {load}, commit {self.commit}"
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+def cpu_model(cpuinfo: str) -> str:
+    """The CPU model in /proc/cpuinfo's text (x86 `model name`, else ARM's `Hardware` or `CPU part`)."""
+    named: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        named.setdefault(key.strip(), value.strip())
+    return next((named[key] for key in ("model name", "Hardware", "CPU part") if named.get(key)), "unknown CPU")
+
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+
+
+def git_commit(repo: Path = REPOSITORY) -> str:
+    """`repo`'s HEAD as `git rev-parse --short` writes it, `+dirty` when tracked files have changes;
+    $VOICEWIRE_COMMIT or `unknown` where there is no git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        changes = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                 capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("VOICEWIRE_COMMIT") or "unknown"
+    return head + ("+dirty" if changes else "")
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True, slots=True)
