@@ -33,7 +33,7 @@ from typing import Any
 import websockets
 from voicewire.realtime.settings import Settings
 
-from bench.workload import spread, table
+from bench.workload import Provenance, spread, table
 from tests.proxy import Proxy
 from tests.server import ServerThread
 
@@ -157,9 +157,11 @@ def main() -> None:
     parser.add_argument("--replay-buffer-bytes", type=int, default=Settings().replay_buffer_bytes,
                         help="the server's replay_buffer_bytes (default %(default)s)")
     args = parser.parse_args()
+    provenance = Provenance.begin()
     uncut, runs = asyncio.run(run([float(x) for x in args.outages.split(",")], args.rounds,
                                   args.replay_buffer_bytes))
     audio = [f for f in uncut if isinstance(f, bytes)]
+    print(provenance.end().line())
     print(f"replay_buffer_bytes {args.replay_buffer_bytes / 1024:.1f} KiB; the uncut answer: {len(uncut)} frames, "
           f"{sum(map(len, audio)) / 1024:.1f} KiB of audio, largest frame {max(map(size, uncut)) / 1024:.1f} KiB")
     print(f"median [min-max] over {args.rounds} rounds; checks: rounds that passed")
