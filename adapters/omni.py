@@ -24,11 +24,12 @@ disconnect, timeout) closes vllm-omni's stream, which aborts the request in ever
 
 Chunks: vllm-omni's talker hands its codec frames to the code2wav stage in chunks. As shipped, a unit's
 first chunk is one frame (80 ms) and every later chunk `codec_chunk_frames` (25), so a player that starts
-at the first byte runs dry after 80 ms, on every stream. The engine ramps instead (`codec_chunk_ramp`,
-docs/engines.md "omni: chunk ramp"): the same first frame, then chunks that grow with the audio already
-sent, so each is ready before the audio before it has played. It sets vllm-omni's own connector option
-`codec_chunk_ramp` in the deploy YAML it starts with; vllm-omni counts chunks per request, so every unit
-ramps from its own start.
+at the first byte runs dry after 80 ms, on every stream. The engine paces them instead (`omni_pacing`,
+docs/engines.md "omni: paced chunks"): each stream's chunks are cut by its own measured pace and the
+pipeline's load, as late as lets each arrive before the audio before it has played, so they stay as large
+as they can (few code2wav decodes) and the first one is vllm-omni's single frame at low load. The deploy
+YAML the engine starts with names the pacing processor for the talker stage. A fixed ramp
+(`codec_chunk_ramp`, vllm-omni's own connector option) or the shipped chunking can be chosen instead.
 
 A stage that dies (its process killed or crashed): vllm-omni fails the requests routed through it, and
 its health check reports the stage dead from then on. The units in flight end with `EngineWorkerLost`
@@ -58,6 +59,10 @@ from typing import Any, Final, cast
 
 import numpy as np
 from voicewire.adapters import omni_compat
+from voicewire.adapters.omni_pacing import EXTRA_KEY as PACING_KEY
+from voicewire.adapters.omni_pacing import LEAD_PER_STREAM_S, LEAD_S
+from voicewire.adapters.omni_pacing import PROCESSOR as PACING_PROCESSOR
+from voicewire.adapters.omni_pacing import STREAMS_KEY as PACING_STREAMS_KEY
 from voicewire.adapters.registry import QWEN3_TTS
 from voicewire.protocol.engine import (
     NO_TOKENS,
@@ -84,11 +89,8 @@ DEFAULT_VOICE: Final = "default"
 
 WARMUP_TEXT: Final = "Warm up."
 
-DEFAULT_CHUNK_RAMP: Final = (1, 1, 1, 1, 2, 3, 4, 6, 9, 14, 21)
-"""Frames in a unit's first chunks (80 ms each): the first as vllm-omni ships it (one frame), then each
-half the frames already sent; past the table every chunk is the stage config's `codec_chunk_frames`. A
-chunk of half the audio sent is ready before that audio has played while the talker runs at 1.5x real
-time or better (doubling chunks would need 2x)."""
+DEFAULT_PACING: Final = (LEAD_S, LEAD_PER_STREAM_S)
+"""Paced chunks (`omni_pacing`) with the default lead: seconds, plus seconds per stream."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +100,10 @@ class OmniConfig:
     `stage_config`: a vllm-omni deploy YAML; None uses vllm-omni's own for the model type.
     `max_concurrency`: units computed at once (keep it at or below the talker stage's `max_num_seqs`).
     `max_new_tokens`: the default cap on codec frames per unit (vllm-omni's speech server uses 2048).
-    `codec_chunk_ramp`: frames in each of a unit's first chunks (then the stage config's
-    `codec_chunk_frames`; entries above it are capped to it); () keeps the stage config's chunking as it is
-    (a first chunk of `initial_codec_chunk_frames`, then `codec_chunk_frames`).
+    `pacing`: paced chunks (`omni_pacing`, Qwen3-TTS), as (lead seconds, lead seconds per stream); None:
+    not paced. `codec_chunk_ramp`: instead, a fixed ramp, frames in each of a unit's first chunks (then the
+    stage config's `codec_chunk_frames`; entries above it are capped to it). Neither keeps the stage
+    config's chunking as it is (a first chunk of `initial_codec_chunk_frames`, then `codec_chunk_frames`).
     """
 
     model: str
@@ -111,7 +114,8 @@ class OmniConfig:
     frames_per_char: float = 0.25
     """Random-weight mode: forced length, frames (80 ms each) per character."""
     init_timeout_s: float = 600.0
-    codec_chunk_ramp: tuple[int, ...] = DEFAULT_CHUNK_RAMP
+    pacing: tuple[float, float] | None = DEFAULT_PACING
+    codec_chunk_ramp: tuple[int, ...] = ()
     served_model_names: tuple[str, ...] = ()
     """More ids clients may name the model by (vllm's `--served-model-name`); see `model_ids`."""
 
@@ -119,6 +123,10 @@ class OmniConfig:
         if self.codec_chunk_ramp and (len(self.codec_chunk_ramp) < 2 or min(self.codec_chunk_ramp) < 1):
             raise ValueError(f"omni: codec_chunk_ramp {list(self.codec_chunk_ramp)} needs at least 2 entries, "
                              "each at least 1 frame (or none: no ramp)")
+        if self.codec_chunk_ramp and self.pacing is not None:
+            raise ValueError("omni: chunks are either paced or cut by a fixed ramp (codec_chunk_ramp), not both")
+        if self.pacing is not None and min(self.pacing) < 0:
+            raise ValueError(f"omni: the pacing lead {self.pacing} cannot be negative")
 
 
 class CachedReferences:
@@ -240,6 +248,7 @@ class OmniEngine:
         fields = set(declared.fields)
         values = dict(declared.values)
         if config.codec_chunk_ramp:  # vllm-omni's ramp decides the first chunk: a request can only match it
+            # (paced chunks honour any first chunk a request asks for, up to codec_chunk_frames)
             fields.discard("initial_codec_chunk_frames")
             values["initial_codec_chunk_frames"] = (config.codec_chunk_ramp[0],)
         self._info = EngineInfo(
@@ -283,6 +292,8 @@ class OmniEngine:
         deploy = omni_compat.resolved_deploy_config(
             self._deploy_file or omni_compat.default_deploy_config("qwen3_tts"))
         self._references = CachedReferences(references_kept(deploy))
+        if self.config.pacing is not None:
+            omni_compat.register_paced_pipeline(PACING_PROCESSOR)
         self._omni = await asyncio.to_thread(omni_compat.create_async_omni, self.config.model, self._deploy_file,
                                              init_timeout_s=self.config.init_timeout_s)
         try:
@@ -392,6 +403,8 @@ class OmniEngine:
             raise ValueError(f"omni: speed {request.speed} is outside the native range 1.0..1.0")
         params = self.parameters(request)
         prompt = self._prompt(params)
+        if self.config.pacing is not None:  # the load the pacer plans this unit's first chunk for
+            prompt["additional_information"][PACING_STREAMS_KEY] = [omni_compat.requests_in_flight(omni) + 1]
         sampling = self._sampling_params(request, params)
         rate, frame_rate = self.model.sample_rate, self.model.frame_rate
         first = TokenCounts(self._text_tokens(request), omni_compat.qwen3_tts_reference_tokens(params))
@@ -421,12 +434,12 @@ class OmniEngine:
 
     def _deploy_config(self) -> str | None:
         """The deploy YAML to start with: `stage_config` (None: vllm-omni's default for the model type) as
-        it is, or, with a chunk ramp or in random-weight mode, a copy (a temporary file, removed by
-        `close`) that sets `codec_chunk_ramp` on every codec-streaming connector and, in random-weight
-        mode, `load_format: dummy` on every stage."""
+        it is, or, with paced chunks, a chunk ramp or in random-weight mode, a copy (a temporary file,
+        removed by `close`) that sets them (`paced_deploy`, `_set_chunk_ramp`) and, in random-weight mode,
+        `load_format: dummy` on every stage."""
         path = self.config.stage_config
-        ramp = self.config.codec_chunk_ramp
-        if not ramp and not self.config.random_weights:
+        ramp, pacing = self.config.codec_chunk_ramp, self.config.pacing
+        if not ramp and pacing is None and not self.config.random_weights:
             return path
         if path is None and self.config.random_weights:
             raise ValueError("omni: random-weight mode needs --stage-config (e.g. adapters/omni_configs/"
@@ -435,6 +448,8 @@ class OmniEngine:
         deploy = omni_compat.resolved_deploy_config(source)
         if ramp:
             _set_chunk_ramp(deploy, ramp, source)
+        if pacing is not None:
+            paced_deploy(deploy, 1 / self.model.frame_rate, pacing, source)
         if self.config.random_weights:
             for stage in deploy.get("stages", []):
                 stage["load_format"] = "dummy"
@@ -480,19 +495,36 @@ async def lost_with_pipeline(failure: Callable[[], str | None], pieces: AsyncGen
         raise EngineWorkerLost(down) from exc  # the unit is lost with the stage that died
 
 
-def _set_chunk_ramp(deploy: dict[str, Any], ramp: tuple[int, ...], source: str) -> None:
-    """Set vllm-omni's `codec_chunk_ramp` on every connector that streams codec frames in chunks (those
-    with `codec_chunk_frames`): `ramp` capped at that size, then that size (so the last ramp entry is the
-    steady chunk, as vllm-omni expects). Raises ValueError when no connector chunks codec frames."""
-    chunked = [extra for connector in (deploy.get("connectors") or {}).values()
-               if isinstance(extra := (connector or {}).get("extra"), dict) and "codec_chunk_frames" in extra]
+def _codec_chunk_connectors(deploy: dict[str, Any], source: str, what: str) -> dict[str, dict[str, Any]]:
+    """The connectors of `deploy` that stream codec frames in chunks (those with `codec_chunk_frames`), by
+    name, as their `extra` dicts. Raises ValueError when there are none (`what` cannot apply then)."""
+    chunked = {name: extra for name, connector in (deploy.get("connectors") or {}).items()
+               if isinstance(extra := (connector or {}).get("extra"), dict) and "codec_chunk_frames" in extra}
     if not chunked or not deploy.get("async_chunk", False):
         raise ValueError(f"omni: {source} streams no codec chunks (async_chunk and a connector with "
-                         "codec_chunk_frames), so a chunk ramp cannot apply; run with no ramp "
+                         f"codec_chunk_frames), so {what} cannot apply; run with the stage config's chunking "
                          "(--omni-chunk-ramp none)")
-    for extra in chunked:
+    return chunked
+
+
+def _set_chunk_ramp(deploy: dict[str, Any], ramp: tuple[int, ...], source: str) -> None:
+    """Set vllm-omni's `codec_chunk_ramp` on every connector that streams codec frames in chunks: `ramp`
+    capped at its `codec_chunk_frames`, then that size (so the last ramp entry is the steady chunk, as
+    vllm-omni expects). Raises ValueError when no connector chunks codec frames."""
+    for extra in _codec_chunk_connectors(deploy, source, "a chunk ramp").values():
         steady = int(extra["codec_chunk_frames"])
         extra["codec_chunk_ramp"] = [min(int(n), steady) for n in ramp] + [steady]
+
+
+def paced_deploy(deploy: dict[str, Any], frame_s: float, lead: tuple[float, float], source: str) -> None:
+    """Pace the chunks of `deploy` (`omni_pacing`): it names the paced pipeline (`omni_compat.PACED_PIPELINE`,
+    which `start` registers: vllm-omni's Qwen3-TTS pipeline with the pacing processor on its talker stage),
+    and every codec-chunk connector gets the pacing parameters (`omni_pacing.pace_params`): the codec's
+    `frame_s` and the `lead` (seconds, seconds per stream). Raises ValueError when no connector chunks
+    codec frames."""
+    for extra in _codec_chunk_connectors(deploy, source, "paced chunks").values():
+        extra[PACING_KEY] = {"frame_s": frame_s, "lead_s": lead[0], "lead_per_stream_s": lead[1]}
+    deploy["pipeline"] = omni_compat.PACED_PIPELINE
 
 
 async def audio_chunks(omni: Any, prompt: Any, request_id: str,

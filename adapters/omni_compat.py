@@ -26,6 +26,17 @@ only through this module:
   `base_config` inheritance merged in): module internals. The chunk ramp is vllm-omni's connector option
   `codec_chunk_ramp` (read by `stage_input_processors.qwen3_tts.talker2code2wav_async_chunk`, the same in
   both releases): a documented deploy key, set in the YAML the engine starts with.
+- paced chunks (`omni_pacing.py`, run in the talker stage's process): a copy of vllm-omni's Qwen3-TTS
+  pipeline (`model_executor.models.qwen3_tts.pipeline.QWEN3_TTS_PIPELINE`, frozen dataclasses) whose talker
+  stage's `async_chunk_process_next_stage_input_func` is `omni_pacing.talker2code2wav_paced`, registered
+  with `config.pipeline_registry.register_pipeline` (vllm-omni's API for out-of-tree pipelines) under
+  `PACED_PIPELINE` and named by the deploy YAML's `pipeline` key; the processor wraps
+  `stage_input_processors.qwen3_tts.talker2code2wav_async_chunk` (module function) and reads and sets what
+  that function reads on its transfer manager: `connector.config["extra"]`, `code_prompt_token_ids`,
+  `ramp_chunk_count` (attributes) and `_ramp_parsed` (its once-parsed `codec_chunk_ramp`: private), and
+  the request's `external_req_id`, `is_finished()` and `additional_information.entries` (its per-request
+  `initial_codec_chunk_frames`, read as vllm-omni reads it, and the engine's own load hint, an extra key
+  the talker ignores). The same in both releases.
 
 - other families (`omni_families.py`, vllm-omni 0.30.0 only): vllm-omni's speech server object
   (`serving_speech.OmniOpenAIServingSpeech`, built over the pipeline as its API server builds it) as the
@@ -167,6 +178,78 @@ def qwen3_tts_prompt_len(additional_information: Mapping[str, Any], *, task_type
         additional_information=dict(additional_information), task_type=task_type, tokenize_prompt=tokenize,
         codec_language_id=codec_language_id, spk_is_dialect=spk_is_dialect,
         estimate_ref_code_len=ref_code_len))
+
+
+QWEN3_TTS_CHUNK_PROCESSOR: Final = ("vllm_omni.model_executor.stage_input_processors.qwen3_tts",
+                                     "talker2code2wav_async_chunk")
+"""vllm-omni's own Qwen3-TTS talker-to-code2wav processor (module, function), which `omni_pacing` wraps."""
+PACED_PIPELINE: Final = "voicewire_qwen3_tts_paced"
+"""The registry key of Qwen3-TTS's pipeline with the talker stage's processor replaced (module doc)."""
+
+
+def register_paced_pipeline(processor: str) -> str:
+    """Register (again: the last registration wins) vllm-omni's Qwen3-TTS pipeline with `processor` (a
+    dotted function path) as its talker stage's async-chunk processor, in this process, where vllm-omni
+    resolves its stage configs; the key a deploy YAML's `pipeline` names it by (`PACED_PIPELINE`)."""
+    import dataclasses
+    import logging
+
+    from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
+    from vllm_omni.model_executor.models.qwen3_tts.pipeline import QWEN3_TTS_PIPELINE
+
+    talker, *rest = QWEN3_TTS_PIPELINE.stages
+    paced = dataclasses.replace(QWEN3_TTS_PIPELINE, stages=(
+        dataclasses.replace(talker, async_chunk_process_next_stage_input_func=processor), *rest))
+    if PACED_PIPELINE in OMNI_PIPELINES:  # vllm-omni warns when a key is registered twice: say why once here
+        logging.getLogger("voicewire.omni").debug("re-registering %s", PACED_PIPELINE)
+        del OMNI_PIPELINES[PACED_PIPELINE]
+    register_pipeline(paced, model_type=PACED_PIPELINE)
+    return PACED_PIPELINE
+
+
+def qwen3_tts_chunk_processor() -> Callable[..., Any]:
+    """vllm-omni's `talker2code2wav_async_chunk` (imported on first use, in the talker stage's process)."""
+    import importlib
+
+    module, name = QWEN3_TTS_CHUNK_PROCESSOR
+    return cast(Callable[..., Any], getattr(importlib.import_module(module), name))
+
+
+def connector_extra(transfer_manager: Any) -> dict[str, Any]:
+    """The `extra` of the connector a talker-stage transfer manager sends chunks through (as vllm-omni's
+    processor reads it: the connector config's `extra`, or the config itself)."""
+    raw = getattr(getattr(transfer_manager, "connector", None), "config", None) or {}
+    extra = raw.get("extra", raw) if isinstance(raw, dict) else {}
+    return cast(dict[str, Any], extra if isinstance(extra, dict) else {})
+
+
+def chunk_request_state(request: Any, is_finished: bool) -> tuple[str, bool]:
+    """A talker-stage request's id as the processor keys it, and whether this is its last step."""
+    return str(request.external_req_id), bool(is_finished or request.is_finished())
+
+
+def frames_held(transfer_manager: Any, request_id: str) -> int:
+    """Codec frames of `request_id` the transfer manager holds (every frame so far, cut or not)."""
+    return len(transfer_manager.code_prompt_token_ids.get(request_id) or ())
+
+
+def chunks_cut(transfer_manager: Any, request_id: str) -> int:
+    """Chunks of `request_id` the transfer manager has sent on (what its chunk ramp is indexed by)."""
+    return int(transfer_manager.ramp_chunk_count.get(request_id, 0))
+
+
+def set_chunk_ramp(transfer_manager: Any, ramp: list[int]) -> None:
+    """Make the processor's next call use `ramp` as its (parsed) `codec_chunk_ramp`."""
+    transfer_manager._ramp_parsed = ramp
+
+
+def request_number(request: Any, key: str) -> int | None:
+    """The one integer a talker-stage request carries under `key` in its `additional_information` (as
+    vllm-omni reads its per-request `initial_codec_chunk_frames`), or None."""
+    entries = getattr(getattr(request, "additional_information", None), "entries", None)
+    entry = entries.get(key) if isinstance(entries, Mapping) else None
+    data = getattr(entry, "list_data", None)
+    return int(data[0]) if data is not None and len(data) == 1 else None
 
 
 QWEN3_TTS_REF_AUDIO_KEY: Final = "_qwen3_tts_ref_audio_cache_key"

@@ -37,7 +37,6 @@ import numpy as np
 from voicewire.adapters import omni_compat
 from voicewire.adapters.omni import (
     CONFIG_DIR,
-    DEFAULT_CHUNK_RAMP,
     DEFAULT_VOICE,
     WARMUP_TEXT,
     OmniConfig,
@@ -99,14 +98,14 @@ QWEN3_TTS: Final = "qwen3_tts"
 
 def omni_engine(config: OmniConfig) -> OmniEngine | OmniAdapterEngine:
     """The omni engine for the model folder `config.model`: Qwen3-TTS's own, or a family's adapter engine.
-    Raises ValueError for a model type neither serves, or for a chunk ramp other than the default asked of a
-    family that has none (vllm-omni reads `codec_chunk_ramp` for Qwen3-TTS only; the default, and `none`, mean
-    the stage config's chunking there); FileNotFoundError without a config.json."""
+    Raises ValueError for a model type neither serves, or for a chunk ramp asked of a family that has none
+    (vllm-omni reads `codec_chunk_ramp` for Qwen3-TTS only); paced chunks are Qwen3-TTS's too, and the other
+    families stream in their stage config's chunks; FileNotFoundError without a config.json."""
     kind = model_type(Path(config.model))
     if kind == QWEN3_TTS:
         return OmniEngine(config)
     if kind in FAMILIES:
-        if config.codec_chunk_ramp not in (DEFAULT_CHUNK_RAMP, ()):
+        if config.codec_chunk_ramp:
             raise ValueError(f"omni: --omni-chunk-ramp applies to Qwen3-TTS only; {FAMILIES[kind].label} streams "
                              "in its stage config's chunks (leave the flag out, or pass none)")
         return OmniAdapterEngine(config, FAMILIES[kind])

@@ -79,10 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "build use adapters/omni_configs/qwen3_tts_cpu.yaml or fish_qwen3_omni_cpu.yaml)")
     omni.add_argument("--omni-max-concurrency", type=int, default=4,
                       help="units computed at once (at most the talker stage's max_num_seqs)")
-    omni.add_argument("--omni-chunk-ramp", type=_chunk_ramp, default=None, metavar="N,N,...|none",
-                      help="frames (80 ms) in each of a unit's first audio chunks, then the stage config's "
-                           "codec_chunk_frames (default: 1,1,1,1,2,3,4,6,9,14,21; none: the stage config's "
-                           "chunking, one frame then codec_chunk_frames)")
+    omni.add_argument("--omni-chunk-ramp", type=_chunk_ramp, default=None, metavar="paced|N,N,...|none",
+                      help="how a unit's audio is cut into chunks (Qwen3-TTS): paced (default: by each stream's "
+                           "pace and the load, docs/engines.md), a fixed ramp of frames (80 ms) in each of a "
+                           "unit's first chunks then the stage config's codec_chunk_frames, or none (the stage "
+                           "config's chunking: one frame, then codec_chunk_frames)")
+    omni.add_argument("--omni-pace-lead-ms", type=_pace_lead, default=None, metavar="MS,MS_PER_STREAM",
+                      help="paced chunks: the time from cutting a chunk to its audio at the player, in ms plus ms "
+                           "per stream the talker runs (default 55,1.5)")
     omni.add_argument("--omni-random-weights", action="store_true",
                       help="test and benchmark mode: random weights (load_format dummy), forced lengths")
     serve.add_argument("--log-level", default="INFO", type=str.upper,
@@ -91,14 +95,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _chunk_ramp(text: str) -> tuple[int, ...]:
-    """`--omni-chunk-ramp`: comma-separated frame counts, or `none` (no ramp)."""
-    if text.strip().lower() == "none":
-        return ()
+def _chunk_ramp(text: str) -> tuple[int, ...] | None:
+    """`--omni-chunk-ramp`: `paced` (None), comma-separated frame counts, or `none` (())."""
+    word = text.strip().lower()
+    if word in ("none", "paced"):
+        return () if word == "none" else None
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of frame counts: {text!r} (e.g. 1,2,4,8,16, or none)") from None
+        raise argparse.ArgumentTypeError(f"not paced, none or a list of frame counts: {text!r} "
+                                         "(e.g. 1,2,4,8,16)") from None
+
+
+def _pace_lead(text: str) -> tuple[float, float]:
+    """`--omni-pace-lead-ms`: milliseconds and milliseconds per stream, as seconds."""
+    try:
+        base, per_stream = (float(part) / 1000 for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not MS,MS_PER_STREAM: {text!r} (e.g. 55,1.5)") from None
+    return base, per_stream
 
 
 def talker_engine(args: argparse.Namespace) -> Engine | None:
@@ -124,11 +139,15 @@ def omni_engine(args: argparse.Namespace) -> Engine | None:
         return None
     if not args.model:
         raise ValueError("engine omni needs --model DIR")
-    from voicewire.adapters.omni import DEFAULT_CHUNK_RAMP, OmniConfig
+    from voicewire.adapters.omni import DEFAULT_PACING, OmniConfig
 
-    ramp = DEFAULT_CHUNK_RAMP if args.omni_chunk_ramp is None else args.omni_chunk_ramp
+    ramp = args.omni_chunk_ramp
+    if ramp is not None and args.omni_pace_lead_ms is not None:
+        raise ValueError("--omni-pace-lead-ms applies to paced chunks, not to --omni-chunk-ramp "
+                         f"{'none' if not ramp else ','.join(map(str, ramp))}")
+    pacing = (args.omni_pace_lead_ms or DEFAULT_PACING) if ramp is None else None
     config = OmniConfig(model=args.model, stage_config=args.stage_config, max_concurrency=args.omni_max_concurrency,
-                        random_weights=args.omni_random_weights, codec_chunk_ramp=ramp,
+                        random_weights=args.omni_random_weights, pacing=pacing, codec_chunk_ramp=ramp or (),
                         served_model_names=tuple(args.served_model_name))
     return create_engine("omni", omni=config)
 

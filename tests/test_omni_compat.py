@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from voicewire.adapters import omni_compat
-from voicewire.adapters.omni import DEFAULT_CHUNK_RAMP, OmniConfig, OmniEngine
+from voicewire.adapters.omni import DEFAULT_PACING, OmniConfig, OmniEngine
 from voicewire.adapters.omni_families import OmniAdapterEngine, omni_engine
 from voicewire.adapters.omni_testing import SPEAKERS, write_fish_s2_pro, write_qwen3_tts
 from voicewire.realtime.cli import main
@@ -67,9 +68,9 @@ def test_a_model_type_the_engine_does_not_serve_is_refused_before_start(tmp_path
 def test_a_chunk_ramp_asked_of_a_family_without_one_is_refused_before_start(tmp_path: Path) -> None:
     fish = str(write_fish_s2_pro(tmp_path / "fish"))
     with pytest.raises(ValueError, match=r"--omni-chunk-ramp applies to Qwen3-TTS only; Fish Speech S2 Pro"):
-        omni_engine(OmniConfig(model=fish, codec_chunk_ramp=(2, 4, 8)))
-    for ramp in (DEFAULT_CHUNK_RAMP, ()):  # the flag left out, or `none`: the stage config's chunking
-        assert isinstance(omni_engine(OmniConfig(model=fish, codec_chunk_ramp=ramp)), OmniAdapterEngine)
+        omni_engine(OmniConfig(model=fish, pacing=None, codec_chunk_ramp=(2, 4, 8)))
+    for pacing in (DEFAULT_PACING, None):  # the flag left out (paced: Qwen3-TTS only), or `none`
+        assert isinstance(omni_engine(OmniConfig(model=fish, pacing=pacing)), OmniAdapterEngine)
 
 
 def test_a_fish_folder_gets_the_adapter_engine_with_its_adapters_fields(tmp_path: Path) -> None:
@@ -124,25 +125,62 @@ def test_the_chunk_ramp_is_set_on_the_codec_connector_capped_at_the_steady_chunk
             _set_chunk_ramp(unchunked, (1, 2), "deploy.yaml")
 
 
+def test_paced_chunks_name_the_paced_pipeline_and_give_the_codec_connector_its_lead() -> None:
+    from voicewire.adapters.omni import paced_deploy
+    from voicewire.adapters.omni_pacing import EXTRA_KEY, PROCESSOR, pace_params
+
+    deploy: dict[str, Any] = {"async_chunk": True, "connectors": {"shm": {"name": "SharedMemoryConnector", "extra": {
+        "codec_chunk_frames": 25, "initial_codec_chunk_frames": 1}}, "other": {"name": "X"}}}
+    paced_deploy(deploy, 0.08, (0.05, 0.002), "deploy.yaml")
+    assert deploy["pipeline"] == omni_compat.PACED_PIPELINE
+    params = pace_params(deploy["connectors"]["shm"]["extra"])
+    assert (params.frame_s, params.steady, params.lead_s, params.lead_per_stream_s) == (0.08, 25, 0.05, 0.002)
+    assert EXTRA_KEY not in deploy["connectors"]["other"]
+    module, name = PROCESSOR.rsplit(".", 1)  # what vllm-omni imports in the talker's process
+    assert callable(getattr(__import__(module, fromlist=[name]), name))
+    with pytest.raises(ValueError, match="--omni-chunk-ramp none"):
+        paced_deploy({"async_chunk": False, "connectors": deploy["connectors"]}, 0.08, (0.05, 0.0), "d.yaml")
+
+
 def test_a_ramped_engine_serves_only_its_own_first_chunk_size(tmp_path: Path) -> None:
     model = str(write_qwen3_tts(tmp_path / "cv", "custom_voice"))
-    ramped = OmniEngine(OmniConfig(model=model)).info.capabilities
+    ramped = OmniEngine(OmniConfig(model=model, pacing=None, codec_chunk_ramp=(2, 4, 8))).info.capabilities
     assert "initial_codec_chunk_frames" not in ramped.fields
-    assert ramped.values["initial_codec_chunk_frames"] == (1,)
-    plain = OmniEngine(OmniConfig(model=model, codec_chunk_ramp=())).info.capabilities
-    assert "initial_codec_chunk_frames" in plain.fields
+    assert ramped.values["initial_codec_chunk_frames"] == (2,)
+    for pacing in (DEFAULT_PACING, None):  # paced (the default) and the stage config's chunks take any
+        plain = OmniEngine(OmniConfig(model=model, pacing=pacing)).info.capabilities
+        assert "initial_codec_chunk_frames" in plain.fields
     for bad in ((4,), (2, 0, 4)):
         with pytest.raises(ValueError, match="codec_chunk_ramp"):
-            OmniConfig(model=model, codec_chunk_ramp=bad)
+            OmniConfig(model=model, pacing=None, codec_chunk_ramp=bad)
+    with pytest.raises(ValueError, match="either paced or cut by a fixed ramp"):
+        OmniConfig(model=model, codec_chunk_ramp=(1, 2))
 
 
-def test_cli_chunk_ramp_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    from voicewire.realtime.cli import _chunk_ramp
+def test_cli_chunking_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from voicewire.realtime.cli import _chunk_ramp, build_parser
+    from voicewire.realtime.cli import omni_engine as cli_engine
 
     assert _chunk_ramp("1,2,4,8,16") == (1, 2, 4, 8, 16) and _chunk_ramp("none") == ()
+    assert _chunk_ramp("paced") is None
     with pytest.raises(SystemExit):
         main(["serve", "--engine", "omni", "--no-auth", "--model", str(tmp_path), "--omni-chunk-ramp", "1,x"])
-    assert "not a list of frame counts" in capsys.readouterr().err
+    assert "not paced, none or a list of frame counts" in capsys.readouterr().err
+    model = str(write_qwen3_tts(tmp_path / "cv", "custom_voice"))
+
+    def config(*flags: str) -> OmniConfig:
+        engine = cli_engine(build_parser().parse_args(["serve", "--engine", "omni", "--model", model, *flags]))
+        assert isinstance(engine, OmniEngine)
+        return engine.config
+
+    assert config().pacing == (0.055, 0.0015) and config().codec_chunk_ramp == ()
+    assert config("--omni-pace-lead-ms", "80,2").pacing == (0.08, 0.002)
+    assert (config("--omni-chunk-ramp", "1,2,4").pacing, config("--omni-chunk-ramp", "1,2,4").codec_chunk_ramp) \
+        == (None, (1, 2, 4))
+    assert (config("--omni-chunk-ramp", "none").pacing, config("--omni-chunk-ramp", "none").codec_chunk_ramp) \
+        == (None, ())
+    with pytest.raises(ValueError, match="--omni-pace-lead-ms applies to paced chunks"):
+        config("--omni-chunk-ramp", "none", "--omni-pace-lead-ms", "80,2")
 
 
 def test_a_unit_becomes_vllm_omnis_speech_request_fields(tmp_path: Path) -> None:

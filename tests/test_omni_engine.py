@@ -36,7 +36,6 @@ from transformers import AutoTokenizer
 from voicewire.adapters import omni_compat
 from voicewire.adapters.omni import (
     CPU_STAGE_CONFIGS,
-    DEFAULT_CHUNK_RAMP,
     TASK_TYPES,
     OmniConfig,
     OmniEngine,
@@ -323,19 +322,9 @@ async def test_vllm_omnis_streaming_client_defaults_get_one_wav_per_utterance(om
 STEADY_CHUNK = 25
 """`codec_chunk_frames` of the CPU stage config."""
 SEAM_TOLERANCE = 1e-3
-"""Largest sample difference allowed between ramped chunks and one whole decode, relative to the whole
+"""Largest sample difference allowed between paced chunks and one whole decode, relative to the whole
 decode's swing (peak to peak). Measured: 6e-11 absolute, 6e-6 of the swing (float rounding: vllm-omni
 0.30's code2wav carries its decoder state from chunk to chunk)."""
-
-
-def ramp_split(total: int) -> list[int]:
-    """The chunk sizes, in frames, that the default ramp cuts `total` frames of audio into."""
-    sizes: list[int] = []
-    for n in (*DEFAULT_CHUNK_RAMP, *[STEADY_CHUNK] * (total // STEADY_CHUNK + 1)):
-        if sum(sizes) >= total:
-            break
-        sizes.append(min(n, STEADY_CHUNK, total - sum(sizes)))
-    return sizes
 
 
 async def engine_chunks(server: ServerThread, request: SynthesisRequest) -> list[np.ndarray]:
@@ -367,24 +356,27 @@ async def whole_decode(server: ServerThread, request: SynthesisRequest) -> np.nd
 
 
 @kind("custom_voice")
-async def test_chunks_follow_the_ramp_first_chunk_unchanged(omni_server: ServerThread) -> None:
-    text = "A longer unit, so that its chunks run through the whole ramp and into steady chunks. " * 5
-    chunks = await engine_chunks(omni_server, SynthesisRequest(request_id="ramp-1", text=text, voice="vivian"))
+async def test_chunks_are_paced_in_the_talker_stage_first_chunk_one_frame(omni_server: ServerThread) -> None:
+    """The talker stage runs the pacer (`omni_pacing`): one stream leads by less than a frame, so its first
+    chunk is vllm-omni's own single frame; the next is cut once the talker is far enough ahead, well before
+    the stage config's 25 frames (so not its shipped 1-then-25); none is larger than the decoder's window."""
+    text = "A longer unit, so that its chunks run past the first few and into full windows. " * 5
+    chunks = await engine_chunks(omni_server, SynthesisRequest(request_id="paced-1", text=text, voice="vivian"))
     sizes = [len(c) / FRAME for c in chunks]
     assert audio_samples_ok(sum(map(len, chunks)), text), sizes
-    assert sizes == ramp_split(int(sum(sizes))), sizes
-    assert sizes[0] == 1  # the first chunk: one frame, as vllm-omni ships it (time to first audio unchanged)
-    assert sizes[:6] == [1, 1, 1, 1, 2, 3] and max(sizes) == STEADY_CHUNK
+    assert all(n == int(n) and 1 <= n <= STEADY_CHUNK for n in sizes), sizes
+    assert sizes[0] == 1 and sizes[1] < STEADY_CHUNK, sizes
 
 
 @kind("custom_voice")
-async def test_ramped_chunks_equal_one_whole_decode(omni_server: ServerThread) -> None:
-    text = "Every seam between ramped chunks must be inaudible: the same samples as one whole decode. " * 2
+async def test_paced_chunks_equal_one_whole_decode(omni_server: ServerThread) -> None:
+    text = "Every seam between paced chunks must be inaudible: the same samples as one whole decode. " * 2
     request = SynthesisRequest(request_id="seam-chunked", text=text, voice="ryan", seed=7)
-    chunked = np.concatenate(await engine_chunks(omni_server, request))
+    chunks = await engine_chunks(omni_server, request)
     whole = await whole_decode(omni_server, SynthesisRequest(request_id="seam-whole", text=text, voice="ryan",
                                                              seed=7))
-    assert len(chunked) == len(whole) and audio_samples_ok(len(whole), text)
+    chunked = np.concatenate(chunks)
+    assert len(chunks) > 2 and len(chunked) == len(whole) and audio_samples_ok(len(whole), text)
     swing = float(np.ptp(whole))
     assert swing > 0  # the decoder's output moves (tiny random weights: quiet, peak about 1e-3, swing 1e-5)
     error = float(np.abs(chunked - whole).max())
@@ -392,14 +384,15 @@ async def test_ramped_chunks_equal_one_whole_decode(omni_server: ServerThread) -
 
 
 @kind("custom_voice")
-async def test_a_first_chunk_other_than_the_ramps_is_refused_by_name(omni_server: ServerThread) -> None:
-    response = await post(omni_server, "/v1/audio/speech", json={"input": "Hi.", "initial_codec_chunk_frames": 4})
-    assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == "initial_codec_chunk_frames"
-    rate, samples, response = await rest_wav(omni_server, input="The ramp's own first chunk.",
-                                             initial_codec_chunk_frames=DEFAULT_CHUNK_RAMP[0])
+async def test_a_first_chunk_the_request_asks_for_is_honoured(omni_server: ServerThread) -> None:
+    text = "A first chunk of four frames, as the request asks."
+    chunks = await engine_chunks(omni_server, SynthesisRequest(request_id="first-4", text=text, voice="vivian",
+                                                               initial_codec_chunk_frames=4))
+    assert len(chunks[0]) == 4 * FRAME and audio_samples_ok(sum(map(len, chunks)), text)
+    sentence = "Four frames come first."
+    rate, samples, response = await rest_wav(omni_server, input=sentence, initial_codec_chunk_frames=4)
     assert response.status_code == 200, response.text
-    assert rate == RATE and audio_samples_ok(samples, "The ramp's own first chunk.")
+    assert rate == RATE and audio_samples_ok(samples, sentence)
 
 
 # -- VoiceDesign --------------------------------------------------------------------------------------

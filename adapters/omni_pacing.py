@@ -1,0 +1,215 @@
+"""Paced chunks for the omni engine's Qwen3-TTS pipeline: where vllm-omni's talker hands its codec frames to
+the code2wav stage, each stream's chunks are cut by that stream's measured pace and the pipeline's load,
+instead of by a fixed table.
+
+This runs inside vllm-omni's talker stage process. The engine's deploy YAML (`paced_deploy`) names
+`talker2code2wav_paced` as stage 0's `custom_process_next_stage_input_func` and puts the pacing parameters
+in the codec connector's `extra` under `voicewire_pacing`. vllm-omni calls the function once per talker
+step per request. It decides, then hands the step to vllm-omni's own Qwen3-TTS processor
+(`omni_compat.qwen3_tts_chunk_processor`), which appends the step's frame and, when told to, cuts the
+pending frames into a chunk with its usual left context and reference handling: the chunks code2wav
+decodes are vllm-omni's own, only their boundaries are ours.
+
+The model (`Pacer`). A player starts at the stream's first byte. A chunk cut now reaches the player about
+one `lead` later: code2wav's decode of it and its turn among every stream's chunks (code2wav takes at most
+one chunk of a request per step, and its step grows with the streams it serves). So the lead is
+`lead_s + lead_per_stream_s * streams`, the streams being those the talker is running now or, if more, the
+units the engine had in flight when it sent the request (`STREAMS_KEY` in its `additional_information`:
+requests that arrive together reach the talker's steps one after another, so the first of a burst would
+otherwise be paced for a load it is about to share). Then:
+
+- the first chunk is cut as soon as it holds a lead of audio (one 80 ms frame at low load, the first
+  chunk vllm-omni ships; more under load, since a smaller first chunk would run out before the next
+  arrives), or the request's `initial_codec_chunk_frames` when it asks for one;
+- a later chunk is cut at the last talker step that still lets it arrive before the audio already cut has
+  played (the audio ahead of the player, less one more step of this stream's measured pace, is within a
+  lead), once it holds a lead of audio; at once, whatever it holds, if a step later the audio cut would
+  have played out;
+- always at `codec_chunk_frames` (the decoder's window) and at the request's end.
+
+So chunks are as large as each stream's lead allows: few code2wav decodes per second of audio (each one
+re-reads `codec_left_context_frames` of context), which is what keeps code2wav's turn short under load,
+while a stream that slows down (its steps longer) gets its chunks cut earlier.
+
+The boundaries reach vllm-omni's processor through its own chunk-ramp mechanism: before each call the
+processor's ramp is set to a table whose first entries sum to the frames this request has had cut and
+whose next entry is the chunk wanted now (the pending frames plus this step's, to cut; the decoder's
+window, to hold). Its `ramp_chunk_count` says how many chunks it has cut, so the table always lines up.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from voicewire.adapters import omni_compat
+
+FIRST_CHUNK_KEY: Final = "initial_codec_chunk_frames"
+"""The `additional_information` key of the frames a request asks its first chunk to hold (vllm-omni's)."""
+
+PROCESSOR: Final = f"{__name__}.talker2code2wav_paced"
+"""What the deploy YAML names as the talker stage's processor."""
+
+EXTRA_KEY: Final = "voicewire_pacing"
+"""The codec connector's `extra` key that holds `PaceParams` (as a mapping)."""
+
+STREAMS_KEY: Final = "voicewire_streams"
+"""The `additional_information` key of a request's load hint: the units the engine had in flight when it
+sent the request, this one included."""
+
+IDLE_S: Final = 1.0
+"""A stream with no talker step for this long is no longer counted (an aborted request gets no last call)."""
+
+STEP_WEIGHT: Final = 0.2
+"""Weight of the latest step in a stream's pace (an exponential moving average of its step intervals)."""
+
+LEAD_S: Final = 0.055
+LEAD_PER_STREAM_S: Final = 0.0015
+"""The default lead: 55 ms plus 1.5 ms per stream the talker runs (71 ms at 16 streams, within one 80 ms
+frame; 151 ms at 64, two frames). Fitted to the H200 record of the fixed ramp (docs/benchmarks.md): one-frame
+chunks played without a stall at 16 streams and stalled by about 70 ms each at 64."""
+
+
+@dataclass(frozen=True, slots=True)
+class PaceParams:
+    """The pacing model's parameters (module doc). `frame_s`: audio per codec frame; `steady`: the largest
+    chunk, in frames (the connector's `codec_chunk_frames`); `lead_s` + `lead_per_stream_s` x streams: the
+    time from cutting a chunk to its audio at the player."""
+
+    frame_s: float
+    steady: int
+    lead_s: float = LEAD_S
+    lead_per_stream_s: float = LEAD_PER_STREAM_S
+
+    def __post_init__(self) -> None:
+        if not (self.frame_s > 0 and self.steady >= 1 and self.lead_s >= 0 and self.lead_per_stream_s >= 0):
+            raise ValueError(f"omni pacing: bad parameters {self}")
+
+
+@dataclass(slots=True)
+class StreamPace:
+    """One request's pacing state, in the talker's clock (`time.monotonic`)."""
+
+    last_step: float
+    step_s: float = 0.0
+    """Its measured pace: the moving average of the time between its talker steps (0 until a second step)."""
+    first_cut: float | None = None
+    cut_frames: int = 0
+    first_chunk: int | None = None
+    """Frames the request asked its first chunk to hold (`initial_codec_chunk_frames`), or None."""
+    streams_hint: int = 0
+    """The units in flight when the request was sent (`STREAMS_KEY`), 0 when not told."""
+
+
+@dataclass(slots=True)
+class Pacer:
+    """Decides, step by step, where each stream's chunks are cut (module doc). Pure: the time is passed in."""
+
+    params: PaceParams
+    streams: dict[str, StreamPace] = field(default_factory=dict)
+
+    def lead(self, streams_hint: int = 0) -> float:
+        """Seconds from cutting a chunk to its audio at the player, at the current load (the streams the
+        talker runs, or `streams_hint` if more)."""
+        return self.params.lead_s + self.params.lead_per_stream_s * max(len(self.streams), streams_hint)
+
+    def frames_cut(self, request_id: str) -> int:
+        """Frames of `request_id` already cut into chunks."""
+        stream = self.streams.get(request_id)
+        return 0 if stream is None else stream.cut_frames
+
+    def step(self, request_id: str, now: float, pending: int, first_chunk: int | None = None,
+             streams_hint: int | None = None) -> bool:
+        """Record a talker step of `request_id` at `now` that leaves `pending` frames not yet cut, and say
+        whether to cut them into a chunk now. On its first step: `first_chunk`, the frames its first chunk
+        must hold when the request asks (`initial_codec_chunk_frames`, capped at the decoder's window), and
+        `streams_hint`, the units in flight when it was sent (`STREAMS_KEY`)."""
+        self._forget_idle(now)
+        stream = self.streams.get(request_id)
+        if stream is None:
+            stream = self.streams[request_id] = StreamPace(last_step=now, first_chunk=first_chunk,
+                                                           streams_hint=streams_hint or 0)
+        else:
+            interval = now - stream.last_step
+            stream.step_s = interval if stream.step_s == 0 else (
+                (1 - STEP_WEIGHT) * stream.step_s + STEP_WEIGHT * interval)
+            stream.last_step = now
+        p = self.params
+        if pending <= 0:
+            return False
+        if pending >= p.steady:
+            return True
+        lead = self.lead(stream.streams_hint)
+        if stream.first_cut is None:
+            if stream.first_chunk is not None:
+                return pending >= min(stream.first_chunk, p.steady)
+            return pending >= max(1, math.ceil(lead / p.frame_s - 1e-9))
+        after_a_step = stream.first_cut + stream.cut_frames * p.frame_s - now - stream.step_s
+        if after_a_step <= 0:
+            return True
+        return after_a_step <= lead and pending * p.frame_s >= lead
+
+    def cut(self, request_id: str, now: float, frames: int) -> None:
+        """Record that `frames` frames of `request_id` were cut into a chunk at `now`."""
+        stream = self.streams.get(request_id)
+        if stream is None or frames <= 0:
+            return
+        if stream.first_cut is None:
+            stream.first_cut = now
+        stream.cut_frames += frames
+
+    def finish(self, request_id: str) -> None:
+        """Forget `request_id` (its last step was processed)."""
+        self.streams.pop(request_id, None)
+
+    def _forget_idle(self, now: float) -> None:
+        idle = [rid for rid, stream in self.streams.items() if now - stream.last_step > IDLE_S]
+        for rid in idle:
+            del self.streams[rid]
+
+
+def ramp_for(chunks_cut: int, frames_cut: int, chunk: int) -> list[int]:
+    """A chunk-ramp table for vllm-omni's processor whose first `chunks_cut` entries sum to `frames_cut`
+    and whose next entry is `chunk` (every entry at least 1)."""
+    if chunks_cut <= 0:
+        return [max(1, chunk)]
+    return [max(1, frames_cut - (chunks_cut - 1)), *[1] * (chunks_cut - 1), max(1, chunk)]
+
+
+def talker2code2wav_paced(transfer_manager: Any, multimodal_output: Any, request: Any,
+                          is_finished: bool = False) -> Any:
+    """vllm-omni's talker-to-code2wav step for Qwen3-TTS, with chunk boundaries from the `Pacer` (module
+    doc); the same signature and result as vllm-omni's `talker2code2wav_async_chunk`, which does the work."""
+    pacer: Pacer | None = getattr(transfer_manager, "_voicewire_pacer", None)
+    if pacer is None:
+        pacer = Pacer(pace_params(omni_compat.connector_extra(transfer_manager)))
+        transfer_manager._voicewire_pacer = pacer
+    request_id, finished = omni_compat.chunk_request_state(request, is_finished)
+    held = omni_compat.frames_held(transfer_manager, request_id)
+    cut = pacer.frames_cut(request_id)
+    now = time.monotonic()
+    pending = held + 1 - cut  # with this step's frame, if it brings one
+    cut_now = pacer.step(request_id, now, pending, omni_compat.request_number(request, FIRST_CHUNK_KEY),
+                         omni_compat.request_number(request, STREAMS_KEY))
+    wanted = pending if cut_now else pacer.params.steady
+    omni_compat.set_chunk_ramp(transfer_manager, ramp_for(omni_compat.chunks_cut(transfer_manager, request_id),
+                                                          cut, wanted))
+    payload = omni_compat.qwen3_tts_chunk_processor()(transfer_manager, multimodal_output, request, is_finished)
+    if finished:
+        pacer.finish(request_id)
+    elif payload is not None:
+        pacer.cut(request_id, now, omni_compat.frames_held(transfer_manager, request_id) - cut)
+    return payload
+
+
+def pace_params(extra: dict[str, Any]) -> PaceParams:
+    """The `PaceParams` a codec connector's `extra` carries (`EXTRA_KEY`), its steady chunk from
+    `codec_chunk_frames` (vllm-omni's default 25). Raises ValueError when they are missing or invalid."""
+    given = extra.get(EXTRA_KEY)
+    if not isinstance(given, dict) or "frame_s" not in given:
+        raise ValueError(f"omni pacing: the codec connector's extra has no {EXTRA_KEY} with frame_s")
+    return PaceParams(frame_s=float(given["frame_s"]), steady=int(extra.get("codec_chunk_frames", 25)),
+                      lead_s=float(given.get("lead_s", LEAD_S)),
+                      lead_per_stream_s=float(given.get("lead_per_stream_s", LEAD_PER_STREAM_S)))

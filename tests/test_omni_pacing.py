@@ -1,0 +1,126 @@
+"""The pacing model of the omni engine's chunks (`adapters/omni_pacing.py`), on simulated talker timelines.
+
+The simulation is the model the pacer is built on (its module doc): every stream's talker step brings one
+80 ms frame; a chunk cut at time t reaches the player no sooner than `latency` later and no sooner than
+`cadence` after the stream's previous chunk (code2wav takes one chunk of a request per step); the player
+starts at the first byte. The pacer's end-to-end use in vllm-omni's talker stage, with the seams checked
+against one whole decode: tests/test_omni_engine.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from voicewire.adapters.omni_pacing import IDLE_S, PaceParams, Pacer, ramp_for
+
+FRAME_S = 0.08
+STEADY = 25
+
+
+@dataclass
+class Played:
+    chunks: list[int]
+    first_audio_s: float
+    """From the stream's first step to its first audio at the player."""
+    stall_s: float
+
+
+def play(pacer: Pacer, streams: int, frames: int, step_s: float, latency: float, cadence: float,
+         slow_from: int | None = None, slow_step_s: float = 0.0) -> list[Played]:
+    """Run `streams` streams of `frames` frames each in lockstep through `pacer` (a talker step every
+    `step_s`, `slow_step_s` from step `slow_from` on); what each player heard."""
+    cut: list[list[tuple[float, int]]] = [[] for _ in range(streams)]
+    held = [0] * streams
+    now = 0.0
+    for step in range(frames):
+        now += slow_step_s if slow_from is not None and step >= slow_from else step_s
+        for s in range(streams):
+            rid = f"s{s}"
+            pending = held[s] + 1 - pacer.frames_cut(rid)
+            held[s] += 1
+            last = step == frames - 1
+            if pacer.step(rid, now, pending, streams_hint=streams) or last:
+                pacer.cut(rid, now, pending)
+                cut[s].append((now, pending))
+            if last:
+                pacer.finish(rid)
+    played = []
+    for chunks in cut:
+        arrivals: list[float] = []
+        for t, _ in chunks:
+            arrivals.append(max(t + latency, arrivals[-1] + cadence) if arrivals else t + latency)
+        clock, stall = arrivals[0], 0.0
+        for arrival, (_, n) in zip(arrivals, chunks, strict=True):
+            if arrival > clock:
+                stall += arrival - clock
+                clock = arrival
+            clock += n * FRAME_S
+        played.append(Played([n for _, n in chunks], arrivals[0] - step_s, stall))
+    return played
+
+
+def pacer(lead_s: float = 0.055, per_stream_s: float = 0.0015) -> Pacer:
+    return Pacer(PaceParams(frame_s=FRAME_S, steady=STEADY, lead_s=lead_s, lead_per_stream_s=per_stream_s))
+
+
+@pytest.mark.parametrize(("streams", "step_s"), [(1, 0.012), (4, 0.015), (16, 0.025), (64, 0.035), (64, 0.06)])
+def test_no_stream_stalls_when_the_lead_covers_the_pipelines_latency(streams: int, step_s: float) -> None:
+    p = pacer()
+    lead = p.params.lead_s + p.params.lead_per_stream_s * streams
+    for played in play(p, streams, 150, step_s, latency=lead / 2, cadence=lead):
+        assert played.stall_s == 0, played
+        assert sum(played.chunks) == 150 and max(played.chunks) <= STEADY
+        assert all(n * FRAME_S >= lead for n in played.chunks[:-1]), played.chunks  # each covers the cadence
+
+
+def test_the_first_chunk_is_one_frame_at_low_load_and_covers_the_lead_under_load() -> None:
+    assert [played.chunks[0] for played in play(pacer(), 1, 40, 0.012, 0.03, 0.05)] == [1]
+    assert {played.chunks[0] for played in play(pacer(), 64, 40, 0.035, 0.07, 0.15)} == {2}  # 151 ms: 2 frames
+    first_audio = play(pacer(), 64, 40, 0.035, 0.07, 0.15)[0].first_audio_s
+    assert first_audio == pytest.approx(0.035 + 0.07)  # one talker step more than a one-frame first chunk
+
+
+def test_chunks_grow_to_the_decoders_window_while_the_talker_is_ahead() -> None:
+    """Fewer code2wav decodes than the fixed ramp (1,1,1,1,2,3,4,6,9,14,21, then 25s): 150 frames at 1
+    stream and a talker at 8x real time."""
+    chunks = play(pacer(), 1, 150, 0.01, 0.03, 0.05)[0].chunks
+    assert chunks[0] == 1 and STEADY in chunks and len(chunks) < 16, chunks
+
+
+def test_a_stream_that_slows_gets_its_chunks_cut_earlier_and_does_not_stall() -> None:
+    steady = play(pacer(), 1, 150, 0.01, 0.03, 0.05)[0]
+    slowed = play(pacer(), 1, 150, 0.01, 0.03, 0.05, slow_from=20, slow_step_s=0.07)[0]
+    assert slowed.stall_s == 0
+    assert min(steady.chunks[3:-1]) == STEADY  # ahead: every chunk the decoder's window
+    assert min(slowed.chunks[3:-1]) < STEADY  # slowed: cut before the window fills, so none arrives late
+
+
+def test_a_talker_slower_than_real_time_stalls_less_than_with_one_frame_then_the_window() -> None:
+    """Past real time nothing avoids stalls; paced chunks cut at once rather than wait for a full window."""
+    paced = play(pacer(), 1, 100, 0.1, 0.03, 0.05)[0]
+    assert paced.stall_s < 0.02 * 100 + 0.1 and max(paced.chunks) <= 2
+
+
+def test_a_requested_first_chunk_is_honoured() -> None:
+    p = pacer()
+    assert not p.step("a", 0.0, 1, first_chunk=3) and not p.step("a", 0.01, 2)
+    assert p.step("a", 0.02, 3)
+
+
+def test_idle_streams_stop_counting_toward_the_load() -> None:
+    p = pacer()
+    p.step("gone", 0.0, 1)
+    p.step("live", 0.0, 1)
+    assert p.lead() == pytest.approx(0.055 + 2 * 0.0015)
+    p.step("live", IDLE_S + 0.5, 2)
+    assert set(p.streams) == {"live"}
+    p.finish("live")
+    assert p.streams == {}
+
+
+def test_the_ramp_table_lines_up_with_what_vllm_omni_has_cut() -> None:
+    for chunks_cut, frames_cut, chunk in ((0, 0, 1), (1, 1, 3), (3, 9, 25), (5, 40, 2)):
+        table = ramp_for(chunks_cut, frames_cut, chunk)
+        assert len(table) == chunks_cut + 1 and min(table) >= 1
+        assert sum(table[:chunks_cut]) == frames_cut and table[-1] == chunk
