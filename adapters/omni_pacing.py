@@ -109,6 +109,7 @@ class Pacer:
 
     params: PaceParams
     streams: dict[str, StreamPace] = field(default_factory=dict)
+    _swept: float = float("-inf")
 
     def lead(self, streams_hint: int = 0) -> float:
         """Seconds from cutting a chunk to its audio at the player, at the current load (the streams the
@@ -165,6 +166,11 @@ class Pacer:
         self.streams.pop(request_id, None)
 
     def _forget_idle(self, now: float) -> None:
+        """Drop the streams idle for `IDLE_S` (looked for at most ten times per `IDLE_S`: every call of a
+        talker step would otherwise walk every stream)."""
+        if now - self._swept < IDLE_S / 10:
+            return
+        self._swept = now
         idle = [rid for rid, stream in self.streams.items() if now - stream.last_step > IDLE_S]
         for rid in idle:
             del self.streams[rid]
