@@ -53,6 +53,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -216,7 +217,7 @@ class Server:
     `log_dir`, vLLM's compile cache in `cache_dir`, on a free loopback port."""
 
     def __init__(self, name: str, kind: str, model: Path, deploy: Path, log_dir: Path, cache_dir: Path,
-                 concurrency: int, fields: dict[str, Any]) -> None:
+                 concurrency: int, fields: dict[str, Any], extra_args: Sequence[str] = ()) -> None:
         self.name = name
         self.fields = fields
         """The request fields of this server's task type (`task_fields`)."""
@@ -230,7 +231,7 @@ class Server:
             command = [sys.executable, "-m", "voicewire.realtime", "serve", "--engine", "omni", "--model", str(model),
                        "--stage-config", str(deploy), "--omni-max-concurrency", str(concurrency),
                        "--host", "127.0.0.1", "--port", str(self.port), "--max-sessions", sessions,
-                       "--admission-utilization", "0", "--no-auth", "--log-level", "WARNING"]
+                       "--admission-utilization", "0", "--no-auth", "--log-level", "WARNING", *extra_args]
             self.ready_path, self.failed_path = "/ready", "/health"
         self.log_path = log_dir / f"{name.replace('/', '-')}.log"
         self._log = self.log_path.open("wb")
@@ -484,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="gpu_memory_utilization of every stage (both servers' four stages share one GPU)")
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="fixed KV cache per stage (skips vLLM's memory profiling, which concurrent starts upset)")
+    parser.add_argument("--voicewire-args", default="", metavar="'FLAGS'",
+                        help="more `voicewire serve` flags for voicewire, e.g. '--omni-pace-lead-ms 55,2.75'")
     parser.add_argument("--sequential", action="store_true", help="start and measure one server after the other")
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--budget-s", type=float, default=None,
@@ -536,7 +539,9 @@ def main(argv: list[str] | None = None) -> int:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
             for group in groups:
                 started = {name: Server(name, specs[name][0], models[specs[name][1]], deploy, logs, root, max(levels),
-                                        {**fields, **task_fields(specs[name][1])}) for name in group}
+                                        {**fields, **task_fields(specs[name][1])},
+                                        shlex.split(args.voicewire_args) if specs[name][0] == "voicewire" else ())
+                           for name in group}
                 try:
                     running = start(started, args.start_timeout, results)
                     duel(clients, running, levels, modes, args, rate, results, began)
