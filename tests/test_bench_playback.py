@@ -1,10 +1,11 @@
-"""The benches' playback replay (`bench.workload.play`) and pcm16 byte counting (`bench.omni_duel`)."""
+"""The benches' playback replay (`bench.workload.play`), and the duel's pcm16 byte counting and per-round
+figures (`bench.omni_duel`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.omni_duel import pcm_samples
+from bench.omni_duel import expected_audio_s, figures, pcm_samples
 from bench.workload import play
 
 
@@ -30,3 +31,16 @@ def test_a_late_piece_is_a_stall_of_its_lateness_and_playback_resumes_from_it() 
 def test_pcm16_pieces_that_split_a_sample_count_it_once_where_it_completes() -> None:
     assert pcm_samples([(1.0, 3), (2.0, 1), (3.0, 1), (4.0, 4)]) == [(1.0, 1), (2.0, 1), (4.0, 2)]
     assert sum(n for _, n in pcm_samples([(0.0, 1)] * 9)) == 4
+
+
+def test_the_duel_counts_each_stream_up_to_its_length_and_lists_short_and_long_ones() -> None:
+    """A pipeline that sends a stream's audio twice must not look faster: throughput counts each stream up to
+    its frames' audio, and streams more than a frame off it are listed as short or long."""
+    expected = expected_audio_s(150)
+    assert expected == pytest.approx(11.92)
+    wall = 2.0
+    audio = [expected, expected, 2 * expected - 0.9, 3.0, expected - 0.05]
+    got = figures([{"ttfa_ms": [50.0] * 5, "stall_s": [0.0] * 5, "stalls": [0] * 5, "audio_s": audio,
+                    "audio_s_per_wall_s": sum(audio) / wall, "errors": []}], expected)
+    assert got["short"] == [1] and got["long"] == [1]
+    assert got["audio_s_per_wall_s"][0] == pytest.approx((4 * expected - 0.05 + 3.0) / wall)
