@@ -60,7 +60,12 @@ STREAMS_KEY: Final = "voicewire_streams"
 sent the request, this one included."""
 
 IDLE_S: Final = 1.0
-"""A stream with no talker step for this long is no longer counted (an aborted request gets no last call)."""
+"""A stream with no talker step for this long no longer counts toward the load."""
+
+FORGET_S: Final = 60.0
+"""A stream with no talker step for this long is forgotten (an aborted request gets no last call). Until
+then its frames cut are kept: a stream paused longer than `IDLE_S` (waiting in the talker's queue) must
+resume where its chunks ended, or a chunk would repeat frames already sent."""
 
 STEP_WEIGHT: Final = 0.2
 """Weight of the latest step in a stream's pace (an exponential moving average of its step intervals)."""
@@ -110,11 +115,14 @@ class Pacer:
     params: PaceParams
     streams: dict[str, StreamPace] = field(default_factory=dict)
     _swept: float = float("-inf")
+    _idle: int = 0
+    """Streams with no step for `IDLE_S` at the last sweep (they do not count toward the load)."""
 
     def lead(self, streams_hint: int = 0) -> float:
         """Seconds from cutting a chunk to its audio at the player, at the current load (the streams the
         talker runs, or `streams_hint` if more)."""
-        return self.params.lead_s + self.params.lead_per_stream_s * max(len(self.streams), streams_hint)
+        running = len(self.streams) - self._idle
+        return self.params.lead_s + self.params.lead_per_stream_s * max(running, streams_hint)
 
     def frames_cut(self, request_id: str) -> int:
         """Frames of `request_id` already cut into chunks."""
@@ -127,7 +135,6 @@ class Pacer:
         whether to cut them into a chunk now. On its first step: `first_chunk`, the frames its first chunk
         must hold when the request asks (`initial_codec_chunk_frames`, capped at the decoder's window), and
         `streams_hint`, the units in flight when it was sent (`STREAMS_KEY`)."""
-        self._forget_idle(now)
         stream = self.streams.get(request_id)
         if stream is None:
             stream = self.streams[request_id] = StreamPace(last_step=now, first_chunk=first_chunk,
@@ -137,6 +144,7 @@ class Pacer:
             stream.step_s = interval if stream.step_s == 0 else (
                 (1 - STEP_WEIGHT) * stream.step_s + STEP_WEIGHT * interval)
             stream.last_step = now
+        self._sweep(now)
         p = self.params
         if pending <= 0:
             return False
@@ -165,15 +173,15 @@ class Pacer:
         """Forget `request_id` (its last step was processed)."""
         self.streams.pop(request_id, None)
 
-    def _forget_idle(self, now: float) -> None:
-        """Drop the streams idle for `IDLE_S` (looked for at most ten times per `IDLE_S`: every call of a
-        talker step would otherwise walk every stream)."""
+    def _sweep(self, now: float) -> None:
+        """Count the streams idle for `IDLE_S` and forget those idle for `FORGET_S` (at most ten times per
+        `IDLE_S`: every call of a talker step would otherwise walk every stream)."""
         if now - self._swept < IDLE_S / 10:
             return
         self._swept = now
-        idle = [rid for rid, stream in self.streams.items() if now - stream.last_step > IDLE_S]
-        for rid in idle:
+        for rid in [rid for rid, stream in self.streams.items() if now - stream.last_step > FORGET_S]:
             del self.streams[rid]
+        self._idle = sum(1 for stream in self.streams.values() if now - stream.last_step > IDLE_S)
 
 
 def ramp_for(chunks_cut: int, frames_cut: int, chunk: int) -> list[int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from voicewire.adapters.omni_pacing import IDLE_S, PaceParams, Pacer, ramp_for
+from voicewire.adapters.omni_pacing import FORGET_S, IDLE_S, PaceParams, Pacer, ramp_for
 
 FRAME_S = 0.08
 STEADY = 25
@@ -108,13 +108,17 @@ def test_a_requested_first_chunk_is_honoured() -> None:
     assert p.step("a", 0.02, 3)
 
 
-def test_idle_streams_stop_counting_toward_the_load() -> None:
+def test_idle_streams_stop_counting_toward_the_load_but_resume_where_their_chunks_ended() -> None:
     p = pacer()
-    p.step("gone", 0.0, 1)
+    p.step("paused", 0.0, 1)
+    p.cut("paused", 0.0, 1)
     p.step("live", 0.0, 1)
     assert p.lead() == pytest.approx(0.055 + 2 * 0.0015)
     p.step("live", IDLE_S + 0.5, 2)
-    assert set(p.streams) == {"live"}
+    assert p.lead() == pytest.approx(0.055 + 0.0015)  # "paused" no longer counts toward the load
+    assert p.frames_cut("paused") == 1  # but its chunks so far are kept: no frame is cut twice
+    p.step("live", FORGET_S + 1.0, 3)
+    assert set(p.streams) == {"live"}  # gone after FORGET_S (an aborted request gets no last call)
     p.finish("live")
     assert p.streams == {}
 
