@@ -63,9 +63,10 @@ IDLE_S: Final = 1.0
 """A stream with no talker step for this long no longer counts toward the load."""
 
 FORGET_S: Final = 60.0
-"""A stream with no talker step for this long is forgotten (an aborted request gets no last call). Until
-then its frames cut are kept: a stream paused longer than `IDLE_S` (waiting in the talker's queue) must
-resume where its chunks ended, or a chunk would repeat frames already sent."""
+"""A stream with no talker step for this long is forgotten (an aborted request gets no last call; a done
+one may get its last step twice). Until then its frames cut are kept: a stream paused longer than `IDLE_S`,
+or a done one whose last step comes again, must resume where its chunks ended, or a chunk would repeat
+frames already sent."""
 
 STEP_WEIGHT: Final = 0.2
 """Weight of the latest step in a stream's pace (an exponential moving average of its step intervals)."""
@@ -106,6 +107,10 @@ class StreamPace:
     """Frames the request asked its first chunk to hold (`initial_codec_chunk_frames`), or None."""
     streams_hint: int = 0
     """The units in flight when the request was sent (`STREAMS_KEY`), 0 when not told."""
+    done: bool = False
+    """Its last step was processed. Kept (until `FORGET_S`) with its frames cut: vllm-omni may process a
+    request's last step twice (the request's end and its segment's), and a forgotten request would start
+    over from frame 0 and send its audio again."""
 
 
 @dataclass(slots=True)
@@ -115,13 +120,14 @@ class Pacer:
     params: PaceParams
     streams: dict[str, StreamPace] = field(default_factory=dict)
     _swept: float = float("-inf")
-    _idle: int = 0
-    """Streams with no step for `IDLE_S` at the last sweep (they do not count toward the load)."""
+    _resting: int = 0
+    """Streams done, or with no step for `IDLE_S`, at the last sweep or since (they do not count toward
+    the load)."""
 
     def lead(self, streams_hint: int = 0) -> float:
         """Seconds from cutting a chunk to its audio at the player, at the current load (the streams the
         talker runs, or `streams_hint` if more)."""
-        running = len(self.streams) - self._idle
+        running = len(self.streams) - self._resting
         return self.params.lead_s + self.params.lead_per_stream_s * max(running, streams_hint)
 
     def frames_cut(self, request_id: str) -> int:
@@ -170,18 +176,22 @@ class Pacer:
         stream.cut_frames += frames
 
     def finish(self, request_id: str) -> None:
-        """Forget `request_id` (its last step was processed)."""
-        self.streams.pop(request_id, None)
+        """Mark `request_id` done (its last step was processed): it no longer counts toward the load, and a
+        repeat of its last step finds its frames cut (`StreamPace.done`)."""
+        stream = self.streams.get(request_id)
+        if stream is not None and not stream.done:
+            stream.done = True
+            self._resting += 1
 
     def _sweep(self, now: float) -> None:
-        """Count the streams idle for `IDLE_S` and forget those idle for `FORGET_S` (at most ten times per
-        `IDLE_S`: every call of a talker step would otherwise walk every stream)."""
+        """Count the streams done or idle for `IDLE_S`, and forget those with no step for `FORGET_S` (at
+        most ten times per `IDLE_S`: every call of a talker step would otherwise walk every stream)."""
         if now - self._swept < IDLE_S / 10:
             return
         self._swept = now
         for rid in [rid for rid, stream in self.streams.items() if now - stream.last_step > FORGET_S]:
             del self.streams[rid]
-        self._idle = sum(1 for stream in self.streams.values() if now - stream.last_step > IDLE_S)
+        self._resting = sum(1 for stream in self.streams.values() if stream.done or now - stream.last_step > IDLE_S)
 
 
 def ramp_for(chunks_cut: int, frames_cut: int, chunk: int) -> list[int]:
@@ -196,6 +206,7 @@ def talker2code2wav_paced(transfer_manager: Any, multimodal_output: Any, request
                           is_finished: bool = False) -> Any:
     """vllm-omni's talker-to-code2wav step for Qwen3-TTS, with chunk boundaries from the `Pacer` (module
     doc); the same signature and result as vllm-omni's `talker2code2wav_async_chunk`, which does the work."""
+    processor = omni_compat.qwen3_tts_chunk_processor()  # imported on the first call: before the clock is read
     pacer: Pacer | None = getattr(transfer_manager, "_voicewire_pacer", None)
     if pacer is None:
         pacer = Pacer(pace_params(omni_compat.connector_extra(transfer_manager)))
@@ -210,7 +221,7 @@ def talker2code2wav_paced(transfer_manager: Any, multimodal_output: Any, request
     wanted = pending if cut_now else pacer.params.steady
     omni_compat.set_chunk_ramp(transfer_manager, ramp_for(omni_compat.chunks_cut(transfer_manager, request_id),
                                                           cut, wanted))
-    payload = omni_compat.qwen3_tts_chunk_processor()(transfer_manager, multimodal_output, request, is_finished)
+    payload = processor(transfer_manager, multimodal_output, request, is_finished)
     if finished:
         pacer.finish(request_id)
     elif payload is not None:

@@ -9,7 +9,10 @@ against one whole decode: tests/test_omni_engine.py.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from voicewire.adapters.omni_pacing import FORGET_S, IDLE_S, PaceParams, Pacer, ramp_for
@@ -108,7 +111,7 @@ def test_a_requested_first_chunk_is_honoured() -> None:
     assert p.step("a", 0.02, 3)
 
 
-def test_idle_streams_stop_counting_toward_the_load_but_resume_where_their_chunks_ended() -> None:
+def test_idle_and_done_streams_stop_counting_toward_the_load_but_keep_their_frames_cut() -> None:
     p = pacer()
     p.step("paused", 0.0, 1)
     p.cut("paused", 0.0, 1)
@@ -120,7 +123,9 @@ def test_idle_streams_stop_counting_toward_the_load_but_resume_where_their_chunk
     p.step("live", FORGET_S + 1.0, 3)
     assert set(p.streams) == {"live"}  # gone after FORGET_S (an aborted request gets no last call)
     p.finish("live")
-    assert p.streams == {}
+    assert p.lead() == pytest.approx(0.055) and "live" in p.streams  # done: no load, but remembered
+    p.step("next", 2 * FORGET_S + 2.0, 1)
+    assert set(p.streams) == {"next"}  # until FORGET_S after its last step
 
 
 def test_the_ramp_table_lines_up_with_what_vllm_omni_has_cut() -> None:
@@ -128,3 +133,41 @@ def test_the_ramp_table_lines_up_with_what_vllm_omni_has_cut() -> None:
         table = ramp_for(chunks_cut, frames_cut, chunk)
         assert len(table) == chunks_cut + 1 and min(table) >= 1
         assert sum(table[:chunks_cut]) == frames_cut and table[-1] == chunk
+
+
+def test_vllm_omnis_processor_cuts_where_the_pacer_says_and_a_repeated_last_step_sends_nothing_again() -> None:
+    """The pacing processor around vllm-omni's own Qwen3-TTS processor (0.30, as CI installs it), fed 40
+    frames as fast as a talker far ahead of real time: one frame first, then the decoder's window, then the
+    rest; vllm-omni may process a request's last step twice, and the second time no frame goes out again
+    (a pacer that forgot the request at its end re-sent nearly all of its audio: 22.96 s streams of 11.92
+    on the H200, docs/benchmarks.md). The transfer manager is a plain stand-in holding what vllm-omni's
+    processor reads and writes."""
+    pytest.importorskip("vllm_omni", reason="vllm-omni is not installed (extra omni-cpu)")
+    import torch
+    from voicewire.adapters.omni_pacing import EXTRA_KEY, talker2code2wav_paced
+
+    manager = SimpleNamespace(
+        connector=SimpleNamespace(config={"extra": {"codec_chunk_frames": STEADY, "codec_left_context_frames": 72,
+                                                    EXTRA_KEY: {"frame_s": FRAME_S}}}),
+        code_prompt_token_ids=defaultdict(list), put_req_chunk=defaultdict(int), ramp_chunk_count=defaultdict(int),
+        request_payload={}, scheduler_max_num_seqs=4)
+    request = SimpleNamespace(external_req_id="unit-1", additional_information=None, done=False)
+    request.is_finished = lambda: request.done
+
+    def new_frames(payload: Any) -> int:
+        if payload is None:
+            return 0
+        frames = payload.codes.audio.numel() // 16
+        manager.put_req_chunk["unit-1"] += 1  # what vllm-omni's connector does once a chunk is sent
+        manager.ramp_chunk_count["unit-1"] += 1
+        return frames - int(payload.meta.left_context_size or 0)
+
+    chunks = []
+    for i in range(40):
+        request.done = i == 39
+        output = {"codes": {"audio": torch.full((1, 16), i + 1, dtype=torch.long)},
+                  "meta": {"codec_frame_valid": torch.tensor([True])}}
+        if n := new_frames(talker2code2wav_paced(manager, output, request, is_finished=request.done)):
+            chunks.append(n)
+    assert chunks == [1, STEADY, 40 - 1 - STEADY]
+    assert new_frames(talker2code2wav_paced(manager, None, request, is_finished=True)) == 0
