@@ -23,7 +23,8 @@ TALKER: Final = EngineKind("talker", fields=frozenset({"seed", "max_new_tokens",
 QWEN3_TTS_FIELDS: Final = frozenset({"seed", "max_new_tokens", "initial_codec_chunk_frames", "non_streaming_mode"})
 """Request fields every Qwen3-TTS checkpoint honours (`non_streaming_mode`: text given whole or streamed
 into the talker's prompt; vllm-omni's default is whole for CustomVoice and VoiceDesign;
-`initial_codec_chunk_frames` with the chunk ramp off: with it, only the ramp's first entry)."""
+`initial_codec_chunk_frames` with paced chunks or the stage config's: with a fixed ramp, only the ramp's
+first entry)."""
 QWEN3_TTS_CLONING_FIELDS: Final = frozenset({"ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding"})
 QWEN3_TTS: Final = {
     task: EngineKind("omni", f"Qwen3-TTS {task}", values={"task_type": (task,)},
