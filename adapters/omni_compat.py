@@ -58,6 +58,7 @@ mid-request.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import shutil
 import tempfile
@@ -192,7 +193,6 @@ def register_paced_pipeline(processor: str) -> str:
     dotted function path) as its talker stage's async-chunk processor, in this process, where vllm-omni
     resolves its stage configs; the key a deploy YAML's `pipeline` names it by (`PACED_PIPELINE`)."""
     import dataclasses
-    import logging
 
     from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
     from vllm_omni.model_executor.models.qwen3_tts.pipeline import QWEN3_TTS_PIPELINE
@@ -200,15 +200,15 @@ def register_paced_pipeline(processor: str) -> str:
     talker, *rest = QWEN3_TTS_PIPELINE.stages
     paced = dataclasses.replace(QWEN3_TTS_PIPELINE, stages=(
         dataclasses.replace(talker, async_chunk_process_next_stage_input_func=processor), *rest))
-    if PACED_PIPELINE in OMNI_PIPELINES:  # vllm-omni warns when a key is registered twice: say why once here
-        logging.getLogger("voicewire.omni").debug("re-registering %s", PACED_PIPELINE)
-        del OMNI_PIPELINES[PACED_PIPELINE]
+    OMNI_PIPELINES.pop(PACED_PIPELINE, None)  # an engine started before registered it: no clobber warning
     register_pipeline(paced, model_type=PACED_PIPELINE)
     return PACED_PIPELINE
 
 
+@functools.cache
 def qwen3_tts_chunk_processor() -> Callable[..., Any]:
-    """vllm-omni's `talker2code2wav_async_chunk` (imported on first use, in the talker stage's process)."""
+    """vllm-omni's `talker2code2wav_async_chunk` (imported on first use, in the talker stage's process;
+    looked up once: the talker calls it every step of every request)."""
     import importlib
 
     module, name = QWEN3_TTS_CHUNK_PROCESSOR

@@ -206,7 +206,7 @@ def talker2code2wav_paced(transfer_manager: Any, multimodal_output: Any, request
                           is_finished: bool = False) -> Any:
     """vllm-omni's talker-to-code2wav step for Qwen3-TTS, with chunk boundaries from the `Pacer` (module
     doc); the same signature and result as vllm-omni's `talker2code2wav_async_chunk`, which does the work."""
-    processor = omni_compat.qwen3_tts_chunk_processor()  # imported on the first call: before the clock is read
+    processor = omni_compat.qwen3_tts_chunk_processor()  # imported on the first call, before the clock is read
     pacer: Pacer | None = getattr(transfer_manager, "_voicewire_pacer", None)
     if pacer is None:
         pacer = Pacer(pace_params(omni_compat.connector_extra(transfer_manager)))
@@ -216,8 +216,11 @@ def talker2code2wav_paced(transfer_manager: Any, multimodal_output: Any, request
     cut = pacer.frames_cut(request_id)
     now = time.monotonic()
     pending = held + 1 - cut  # with this step's frame, if it brings one
-    cut_now = pacer.step(request_id, now, pending, omni_compat.request_number(request, FIRST_CHUNK_KEY),
-                         omni_compat.request_number(request, STREAMS_KEY))
+    if request_id in pacer.streams:  # what a request asks is read on its first step only
+        cut_now = pacer.step(request_id, now, pending)
+    else:
+        cut_now = pacer.step(request_id, now, pending, omni_compat.request_number(request, FIRST_CHUNK_KEY),
+                             omni_compat.request_number(request, STREAMS_KEY))
     wanted = pending if cut_now else pacer.params.steady
     omni_compat.set_chunk_ramp(transfer_manager, ramp_for(omni_compat.chunks_cut(transfer_manager, request_id),
                                                           cut, wanted))
