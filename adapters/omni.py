@@ -28,8 +28,11 @@ at the first byte runs dry after 80 ms, on every stream. The engine paces them i
 docs/engines.md "omni: paced chunks"): each stream's chunks are cut by its own measured pace and the
 pipeline's load, as late as lets each arrive before the audio before it has played, so they stay as large
 as they can (few code2wav decodes) and the first one is vllm-omni's single frame at low load. The deploy
-YAML the engine starts with names the pacing processor for the talker stage. A fixed ramp
-(`codec_chunk_ramp`, vllm-omni's own connector option) or the shipped chunking can be chosen instead.
+YAML the engine starts with names the pacing processor for the talker stage; the engine reports each
+unit's deliveries back to it (`omni_pacing.DeliveryBoard`: the audio delivered and when a player that
+started at the first piece runs dry), so the pacer follows the measured pipeline, not only its model. A
+fixed ramp (`codec_chunk_ramp`, vllm-omni's own connector option) or the shipped chunking can be chosen
+instead.
 
 A stage that dies (its process killed or crashed): vllm-omni fails the requests routed through it, and
 its health check reports the stage dead from then on. The units in flight end with `EngineWorkerLost`
@@ -51,6 +54,7 @@ import math
 import os
 import re
 import tempfile
+import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
@@ -59,8 +63,8 @@ from typing import Any, Final, cast
 
 import numpy as np
 from voicewire.adapters import omni_compat
+from voicewire.adapters.omni_pacing import BOARD_KEY, LEAD_PER_STREAM_S, LEAD_S, DeliveryBoard
 from voicewire.adapters.omni_pacing import EXTRA_KEY as PACING_KEY
-from voicewire.adapters.omni_pacing import LEAD_PER_STREAM_S, LEAD_S
 from voicewire.adapters.omni_pacing import PROCESSOR as PACING_PROCESSOR
 from voicewire.adapters.omni_pacing import STREAMS_KEY as PACING_STREAMS_KEY
 from voicewire.adapters.registry import QWEN3_TTS
@@ -261,6 +265,7 @@ class OmniEngine:
         self._tokenizer: Any = None
         self._deploy_file: str | None = None
         self._references = CachedReferences(0)
+        self._board: DeliveryBoard | None = None
 
     @property
     def info(self) -> EngineInfo:
@@ -288,15 +293,17 @@ class OmniEngine:
 
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # one host: no address discovery
         self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        if self.config.pacing is not None:  # one slot per unit in flight, with room for aborted ones ending
+            self._board = DeliveryBoard.create(2 * self.config.max_concurrency + 16)
         self._deploy_file = self._deploy_config()
         deploy = omni_compat.resolved_deploy_config(
             self._deploy_file or omni_compat.default_deploy_config("qwen3_tts"))
         self._references = CachedReferences(references_kept(deploy))
         if self.config.pacing is not None:
             omni_compat.register_paced_pipeline(PACING_PROCESSOR)
-        self._omni = await asyncio.to_thread(omni_compat.create_async_omni, self.config.model, self._deploy_file,
-                                             init_timeout_s=self.config.init_timeout_s)
         try:
+            self._omni = await asyncio.to_thread(omni_compat.create_async_omni, self.config.model,
+                                                 self._deploy_file, init_timeout_s=self.config.init_timeout_s)
             await self._warm_up()
         except BaseException:
             await self.close()
@@ -305,7 +312,10 @@ class OmniEngine:
     async def close(self) -> None:
         omni, self._omni = self._omni, None
         deploy, self._deploy_file = self._deploy_file, None
+        board, self._board = self._board, None
         await shut_down(omni, deploy, self.config.stage_config)
+        if board is not None:
+            board.close()
 
     def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         return lost_with_pipeline(self.failure, self._synthesize(request))
@@ -405,21 +415,35 @@ class OmniEngine:
         prompt = self._prompt(params)
         if self.config.pacing is not None:  # the load the pacer plans this unit's first chunk for
             prompt["additional_information"][PACING_STREAMS_KEY] = [omni_compat.requests_in_flight(omni) + 1]
+        board, ticket = self._board, None
+        if board is not None:
+            ticket = board.claim()
+        if ticket is not None:  # where the pacer reads this unit's deliveries
+            prompt["additional_information"][BOARD_KEY] = [ticket]
         sampling = self._sampling_params(request, params)
         rate, frame_rate = self.model.sample_rate, self.model.frame_rate
         first = TokenCounts(self._text_tokens(request), omni_compat.qwen3_tts_reference_tokens(params))
         samples_so_far = frames_so_far = 0
-        async with contextlib.aclosing(audio_chunks(omni, prompt, request.request_id, sampling)) as chunks:
-            async for output, samples in chunks:
-                # frames generated: the final output's count, else those decoded so far (the codec may
-                # hold back the last frame's audio; vllm-omni counts what the talker generated)
-                samples_so_far += len(samples)
-                generated = omni_compat.generated_tokens(output)
-                frames = round(samples_so_far * frame_rate / rate) if generated is None else generated
-                if len(samples) or frames > frames_so_far:
-                    yield AudioPiece(samples, rate, tokens=TokenCounts(
-                        first.text, first.audio, max(0, frames - frames_so_far)))
-                    frames_so_far, first = max(frames, frames_so_far), NO_TOKENS
+        dry_at = 0.0  # when a player that started at the first piece runs dry
+        try:
+            async with contextlib.aclosing(audio_chunks(omni, prompt, request.request_id, sampling)) as chunks:
+                async for output, samples in chunks:
+                    # frames generated: the final output's count, else those decoded so far (the codec may
+                    # hold back the last frame's audio; vllm-omni counts what the talker generated)
+                    samples_so_far += len(samples)
+                    if board is not None and ticket is not None and len(samples):
+                        now = time.monotonic()
+                        dry_at = max(dry_at, now) + len(samples) / rate
+                        board.report(ticket, samples_so_far / rate, now, dry_at)
+                    generated = omni_compat.generated_tokens(output)
+                    frames = round(samples_so_far * frame_rate / rate) if generated is None else generated
+                    if len(samples) or frames > frames_so_far:
+                        yield AudioPiece(samples, rate, tokens=TokenCounts(
+                            first.text, first.audio, max(0, frames - frames_so_far)))
+                        frames_so_far, first = max(frames, frames_so_far), NO_TOKENS
+        finally:
+            if board is not None and ticket is not None and board is self._board:  # not closed meanwhile
+                board.release(ticket)
         key = params.get(omni_compat.QWEN3_TTS_REF_AUDIO_KEY)
         if key and "ref_audio" in params:  # finished: the talker now holds this reference's artifacts
             self._references.add((key[0], bool(params["x_vector_only_mode"][0])))
@@ -449,7 +473,7 @@ class OmniEngine:
         if ramp:
             _set_chunk_ramp(deploy, ramp, source)
         if pacing is not None:
-            paced_deploy(deploy, 1 / self.model.frame_rate, pacing, source)
+            paced_deploy(deploy, 1 / self.model.frame_rate, pacing, source, self._board)
         if self.config.random_weights:
             for stage in deploy.get("stages", []):
                 stage["load_format"] = "dummy"
@@ -516,14 +540,16 @@ def _set_chunk_ramp(deploy: dict[str, Any], ramp: tuple[int, ...], source: str) 
         extra["codec_chunk_ramp"] = [min(int(n), steady) for n in ramp] + [steady]
 
 
-def paced_deploy(deploy: dict[str, Any], frame_s: float, lead: tuple[float, float], source: str) -> None:
+def paced_deploy(deploy: dict[str, Any], frame_s: float, lead: tuple[float, float], source: str,
+                 board: DeliveryBoard | None = None) -> None:
     """Pace the chunks of `deploy` (`omni_pacing`): it names the paced pipeline (`omni_compat.PACED_PIPELINE`,
     which `start` registers: vllm-omni's Qwen3-TTS pipeline with the pacing processor on its talker stage),
     and every codec-chunk connector gets the pacing parameters (`omni_pacing.pace_params`): the codec's
-    `frame_s` and the `lead` (seconds, seconds per stream). Raises ValueError when no connector chunks
-    codec frames."""
+    `frame_s`, the `lead` (seconds, seconds per stream) and the engine's `board` (where it reports each
+    unit's deliveries), if any. Raises ValueError when no connector chunks codec frames."""
     for extra in _codec_chunk_connectors(deploy, source, "paced chunks").values():
-        extra[PACING_KEY] = {"frame_s": frame_s, "lead_s": lead[0], "lead_per_stream_s": lead[1]}
+        extra[PACING_KEY] = {"frame_s": frame_s, "lead_s": lead[0], "lead_per_stream_s": lead[1],
+                             **({} if board is None else {"board": board.path, "board_slots": board.slots})}
     deploy["pipeline"] = omni_compat.PACED_PIPELINE
 
 

@@ -396,7 +396,14 @@ def measure(got: list[tuple[float, Arrivals, str | None]], rate: int) -> dict[st
     return {"ttfa_ms": [s.ttfa_ms for s in streams], "stall_s": [s.stall_s for s in streams],
             "stalls": [s.stalls for s in streams], "audio_s": [s.audio_s for s in streams],
             "rtf": [s.rtf for s in streams], "errors": errors,
-            "audio_s_per_wall_s": sum(s.audio_s for s in streams) / max(last - first, 1e-9)}
+            "audio_s_per_wall_s": sum(s.audio_s for s in streams) / max(last - first, 1e-9),
+            "timelines": [timeline(sent, pcm_samples(arrivals), rate) for sent, arrivals, _ in got]}
+
+
+def timeline(sent: float, samples: list[tuple[float, int]], rate: int) -> list[list[int]]:
+    """One stream's arrivals as [ms since its request was complete, ms of audio it brought], whole ms: where
+    its stalls fell and what each chunk held, for reading the JSON afterwards."""
+    return [[round((at - sent) * 1000.0), round(n * 1000 / rate)] for at, n in samples]
 
 
 FRAME_S: Final = 0.08

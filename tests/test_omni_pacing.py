@@ -10,12 +10,14 @@ against one whole decode: tests/test_omni_engine.py.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from voicewire.adapters.omni_pacing import FORGET_S, IDLE_S, PaceParams, Pacer, ramp_for
+from voicewire.adapters.omni_pacing import FORGET_S, IDLE_S, DeliveryBoard, PaceParams, Pacer, ramp_for
 
 FRAME_S = 0.08
 STEADY = 25
@@ -29,37 +31,47 @@ class Played:
     stall_s: float
 
 
-def play(pacer: Pacer, streams: int, frames: int, step_s: float, latency: float, cadence: float,
-         slow_from: int | None = None, slow_step_s: float = 0.0) -> list[Played]:
+def play(pacer: Pacer, streams: int, frames: int, step_s: float, latency: float | Callable[[float], float],
+         cadence: float, slow_from: int | None = None, slow_step_s: float = 0.0,
+         board: DeliveryBoard | None = None) -> list[Played]:
     """Run `streams` streams of `frames` frames each in lockstep through `pacer` (a talker step every
-    `step_s`, `slow_step_s` from step `slow_from` on); what each player heard."""
-    cut: list[list[tuple[float, int]]] = [[] for _ in range(streams)]
+    `step_s`, `slow_step_s` from step `slow_from` on); what each player heard. `latency`: seconds from a
+    cut to its delivery, or a function of the cut's time. With `board` (the pacer's, as the engine writes
+    it) each delivery is reported there as the engine does, before the stream's next step."""
+    delay = latency if callable(latency) else (lambda _at: latency)
+    chunks: list[list[tuple[float, int, float]]] = [[] for _ in range(streams)]  # (cut, frames, delivered)
+    reported, dry_at = [0] * streams, [0.0] * streams
+    tickets = [None if board is None else board.claim() for _ in range(streams)]
     held = [0] * streams
     now = 0.0
     for step in range(frames):
         now += slow_step_s if slow_from is not None and step >= slow_from else step_s
         for s in range(streams):
-            rid = f"s{s}"
+            rid, ticket = f"s{s}", tickets[s]
+            if board is not None and ticket is not None:
+                while reported[s] < len(chunks[s]) and chunks[s][reported[s]][2] <= now:
+                    _, n, at = chunks[s][reported[s]]
+                    reported[s] += 1
+                    dry_at[s] = max(dry_at[s], at) + n * FRAME_S
+                    board.report(ticket, sum(c[1] for c in chunks[s][:reported[s]]) * FRAME_S, at, dry_at[s])
             pending = held[s] + 1 - pacer.frames_cut(rid)
             held[s] += 1
             last = step == frames - 1
-            if pacer.step(rid, now, pending, streams_hint=streams) or last:
+            if pacer.step(rid, now, pending, streams_hint=streams, ticket=ticket) or last:
                 pacer.cut(rid, now, pending)
-                cut[s].append((now, pending))
+                arrival = now + delay(now)
+                chunks[s].append((now, pending, max(arrival, chunks[s][-1][2] + cadence) if chunks[s] else arrival))
             if last:
                 pacer.finish(rid)
     played = []
-    for chunks in cut:
-        arrivals: list[float] = []
-        for t, _ in chunks:
-            arrivals.append(max(t + latency, arrivals[-1] + cadence) if arrivals else t + latency)
-        clock, stall = arrivals[0], 0.0
-        for arrival, (_, n) in zip(arrivals, chunks, strict=True):
+    for stream in chunks:
+        clock, stall = stream[0][2], 0.0
+        for _, n, arrival in stream:
             if arrival > clock:
                 stall += arrival - clock
                 clock = arrival
             clock += n * FRAME_S
-        played.append(Played([n for _, n in chunks], arrivals[0] - step_s, stall))
+        played.append(Played([n for _, n, _ in stream], stream[0][2] - step_s, stall))
     return played
 
 
@@ -103,6 +115,72 @@ def test_a_talker_slower_than_real_time_stalls_less_than_with_one_frame_then_the
     """Past real time nothing avoids stalls; paced chunks cut at once rather than wait for a full window."""
     paced = play(pacer(), 1, 100, 0.1, 0.03, 0.05)[0]
     assert paced.stall_s < 0.02 * 100 + 0.1 and max(paced.chunks) <= 2
+
+
+@pytest.fixture
+def board() -> Iterator[DeliveryBoard]:
+    written = DeliveryBoard.create(64 + 16)
+    yield written
+    written.close()
+
+
+def paced_by(written: DeliveryBoard) -> Pacer:
+    """A pacer that reads `written` as the talker stage's does: its own mapping of the file."""
+    p = pacer()
+    p.board = DeliveryBoard.open(written.path, written.slots)
+    return p
+
+
+def rising(at: float) -> float:
+    """A pipeline whose latency climbs from 60 to 300 ms over its first second (code2wav's queue growing
+    under a burst of streams), then stays there."""
+    return 0.06 + 0.24 * min(at, 1.0)
+
+
+@pytest.mark.parametrize(("streams", "step_s"), [(16, 0.025), (64, 0.035)])
+def test_measured_deliveries_keep_streams_whose_pipeline_slows_from_stalling(streams: int, step_s: float,
+                                                                            board: DeliveryBoard) -> None:
+    """The model's lead (79 ms at 16 streams, 151 at 64) cannot know the pipeline is slowing: every stream
+    stalls. With the engine's reports the pacer reads the player's clock and each chunk's latency, and cuts
+    the next chunks earlier: no stream stalls, and the chunks still grow to the decoder's window."""
+    model = play(pacer(), streams, 150, step_s, rising, cadence=0.0)
+    assert all(played.stall_s > 0 for played in model)
+    measured = play(paced_by(board), streams, 150, step_s, rising, cadence=0.0, board=board)
+    assert all(played.stall_s == 0 for played in measured), [p.stall_s for p in measured]
+    assert all(sum(played.chunks) == 150 and STEADY in played.chunks for played in measured)
+
+
+def test_measured_deliveries_change_nothing_where_the_model_holds(board: DeliveryBoard) -> None:
+    """A steady pipeline: the player's clock as measured is the one the model assumed, give or take the
+    latency, so the same chunks are cut."""
+    model = play(pacer(), 16, 150, 0.025, 0.2, cadence=0.0)
+    measured = play(paced_by(board), 16, 150, 0.025, 0.2, cadence=0.0, board=board)
+    assert [p.chunks for p in measured] == [p.chunks for p in model]
+    assert all(p.stall_s == 0 for p in measured)
+
+
+def test_the_board_carries_each_tickets_deliveries_and_nothing_stale(tmp_path: Path) -> None:
+    board = DeliveryBoard.create(2)
+    reader = DeliveryBoard.open(board.path, 2)
+    assert reader is not None
+    first, second = board.claim(), board.claim()
+    assert first is not None and second is not None and board.claim() is None  # every slot taken
+    assert reader.read(first) is None  # nothing delivered yet
+    board.report(first, 0.08, 10.0, 10.08)
+    assert reader.read(first) == (0.08, 10.0, 10.08) and reader.read(second) is None
+    board.release(first)
+    assert reader.read(first) is None
+    third = board.claim()
+    assert third is not None and third != first and third % 2 == first % 2  # its slot, another tag
+    board.report(third, 0.16, 11.0, 11.16)
+    assert reader.read(first) is None and reader.read(third) == (0.16, 11.0, 11.16)
+    offset = (third % 2) * DeliveryBoard.SLOT.size  # a write under way: its sequence is odd
+    board._map[offset] += 1
+    assert reader.read(third) is None
+    reader.close()
+    board.close()
+    assert not Path(board.path).exists()
+    assert DeliveryBoard.open(str(tmp_path / "missing"), 2) is None  # the server on another host
 
 
 def test_a_requested_first_chunk_is_honoured() -> None:
