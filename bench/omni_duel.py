@@ -395,7 +395,8 @@ def measure(got: list[tuple[float, Arrivals, str | None]], rate: int) -> dict[st
     last = max((arrivals[-1][0] for _, arrivals, _ in got if arrivals), default=first)
     return {"ttfa_ms": [s.ttfa_ms for s in streams], "stall_s": [s.stall_s for s in streams],
             "stalls": [s.stalls for s in streams], "audio_s": [s.audio_s for s in streams],
-            "rtf": [s.rtf for s in streams], "errors": errors,
+            "stall_chunks": [list(s.stall_chunks) for s in streams], "rtf": [s.rtf for s in streams],
+            "errors": errors,
             "audio_s_per_wall_s": sum(s.audio_s for s in streams) / max(last - first, 1e-9),
             "timelines": [timeline(sent, pcm_samples(arrivals), rate) for sent, arrivals, _ in got]}
 
@@ -433,7 +434,25 @@ def figures(rounds: list[dict[str, Any]], expected_s: float) -> dict[str, Any]:
         "long": [sum(1 for a in r["audio_s"] if a > expected_s + FRAME_S) for r in rounds],
         "audio_s": [percentile(r["audio_s"], 50) for r in rounds],
         "errors": [len(r["errors"]) for r in rounds],
+        "stalls_at": stalls_at(rounds),
     }
+
+
+STALL_PIECES: Final = 6
+"""`stalls_at` counts stalls at each of a stream's first pieces up to this one, then the rest together."""
+
+
+def stalls_at(rounds: list[dict[str, Any]]) -> str:
+    """Where the stalls of every round fell, by piece of the stream ("#2: 5, #3: 1, later: 2"), or "-";
+    rounds measured before the bench kept them count nothing."""
+    counts: dict[str, int] = {}
+    for r in rounds:
+        for where in r.get("stall_chunks", []):
+            for index in where:
+                key = f"#{index + 1}" if index < STALL_PIECES else "later"
+                counts[key] = counts.get(key, 0) + 1
+    order = [f"#{i + 1}" for i in range(STALL_PIECES)] + ["later"]
+    return ", ".join(f"{key}: {counts[key]}" for key in order if key in counts) or "-"
 
 
 def report(results: dict[str, Any], servers: Sequence[str]) -> str:
@@ -452,7 +471,7 @@ def report(results: dict[str, Any], servers: Sequence[str]) -> str:
                              " ".join(f"{s:.2f}" for s in f["stall_s"]), spread(f["audio_s_per_wall_s"], "{:.1f}"),
                              spread(f["audio_s"], "{:.2f}"),
                              " ".join(f"{a}/{b}" for a, b in zip(f["short"], f["long"], strict=True)),
-                             sum(f["errors"])])
+                             sum(f["errors"]), f["stalls_at"]])
             if "voicewire" in per and "vllm-omni" in per:
                 ours, theirs = per["voicewire"], per["vllm-omni"]
                 ratios.append([mode, conc, *(_ratio(ours[key], theirs[key]) for key in
@@ -461,7 +480,7 @@ def report(results: dict[str, Any], servers: Sequence[str]) -> str:
                  "listed per round; audio s per wall s counts each stream up to its frames' audio")
     lines.append(table(["mode", "conc", "server", "rounds", "TTFA p50 ms", "TTFA p95 ms", "streams with a stall",
                         "total stall s", "audio s per wall s", "audio s per stream", "short/long streams",
-                        "errors"], rows))
+                        "errors", "stalls at piece (all rounds)"], rows))
     if ratios:
         lines.append("")
         lines.append("voicewire / vllm-omni, ratio of the medians over rounds (below 1: voicewire lower)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.omni_duel import expected_audio_s, figures, pcm_samples
+from bench.omni_duel import expected_audio_s, figures, measure, pcm_samples
 from bench.workload import play
 
 
@@ -44,3 +44,15 @@ def test_the_duel_counts_each_stream_up_to_its_length_and_lists_short_and_long_o
                     "audio_s_per_wall_s": sum(audio) / wall, "errors": []}], expected)
     assert got["short"] == [1] and got["long"] == [1]
     assert got["audio_s_per_wall_s"][0] == pytest.approx((4 * expected - 0.05 + 3.0) / wall)
+
+
+def test_the_duel_says_at_which_piece_its_streams_stalled() -> None:
+    """Measured from real arrivals: a stream whose second piece came late and one whose ninth did."""
+    rate = 24000
+    second_late = [(0.00, 1920), (0.20, 1920), (0.21, 48000)]
+    ninth_late = [(0.00, 48000), *[(0.01 * i, 1920) for i in range(1, 8)], (5.0, 1920)]
+    got = measure([(-0.05, [(at, 2 * n) for at, n in arrivals], None) for arrivals in (second_late, ninth_late)],
+                  rate)
+    assert got["stall_chunks"] == [[1], [8]]
+    assert got["timelines"][0] == [[50, 80], [250, 80], [260, 2000]]
+    assert figures([got], 2.16)["stalls_at"] == "#2: 1, later: 1"
