@@ -30,7 +30,13 @@ decode, segment, schedule, render, send, loopback).
    the cores: a trial that falls behind with low CPU and a high server wait was starved, not waiting on
    a timer or the network.
 
-`--rounds` (default 3) repeats both parts on the same servers (each round stops each server at its own first
+3. **Bursts** (`--burst`, default 64 and 128): N sessions per server, each holding a sentence, send
+   `input.done` at the same moment, `--burst-reps` times after a warm-up: p50 and p95 from each send to its
+   first audio byte, and voicewire's p95 less the baseline's. A burst is one event loop's worst moment (a
+   voice agent's turns ending together; the talker bench starts every level so): the baseline sends the
+   same frames with nothing behind them, so the difference is the serving path's work queued on the loop.
+
+`--rounds` (default 3) repeats the three parts on the same servers (each round stops each server at its own first
 failure). The report is median [min-max] over rounds of each round's figure, under a line naming the date,
 the machine and the commit; an N counts as passed for a server only if it passed in every round, as did
 every smaller N.
@@ -272,8 +278,17 @@ class Stream:
 
     async def unit(self) -> tuple[float, float, float]:
         """Speak one sentence: (send time of input.done, first audio byte time, audio seconds)."""
+        await self.say()
+        return await self.done()
+
+    async def say(self) -> None:
+        """Send one random sentence's text (not yet `input.done`)."""
         assert self.ws is not None
         await self.ws.send_str(json.dumps({"type": "input.text", "text": self.rng.choice(SENTENCES)}))
+
+    async def done(self) -> tuple[float, float, float]:
+        """Send `input.done` and read the utterance: (its send time, first audio byte time, audio seconds)."""
+        assert self.ws is not None
         sent = time.perf_counter()
         await self.ws.send_str('{"type":"input.done"}')
         first = 0.0
@@ -370,8 +385,50 @@ async def latency(servers: dict[str, Server | BaselineServer], reps: int, seed: 
     return result
 
 
-async def bench(args: argparse.Namespace) -> list[tuple[dict[str, list[float]], list[Trial]]]:
-    """Each round's idle latency and trials, on one pair of servers."""
+async def burst(servers: dict[str, Server | BaselineServer], sizes: Sequence[int], reps: int,
+                seed: int) -> dict[str, dict[int, list[float]]]:
+    """Synchronized bursts: per N and server, N sessions each holding a sentence send `input.done` at the same
+    moment, `reps` times after one warm-up; the ms from each send to its first audio byte. What one event loop
+    does for N sessions at once (a voice agent's turn ending on many sessions together, the talker bench's
+    start), against the baseline's minimum for the same frames."""
+    result: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes} for name in servers}
+    limit = asyncio.Semaphore(64)
+
+    async def open_one(stream: Stream) -> None:
+        async with limit:
+            await stream.open()
+
+    for n in sizes:
+        for name, server in servers.items():
+            streams = [Stream(i, server.ws_url, random.Random(seed + i)) for i in range(n)]
+            try:
+                await asyncio.gather(*(open_one(s) for s in streams))
+                for rep in range(reps + 1):
+                    await asyncio.gather(*(s.say() for s in streams))
+                    await asyncio.sleep(0.2)  # every sentence is in before the burst
+                    got = await asyncio.gather(*(s.done() for s in streams))
+                    if rep:
+                        result[name][n] += [(first - sent) * 1000.0 for sent, first, _ in got]
+            finally:
+                await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
+    return result
+
+
+def burst_figures(got: dict[str, dict[int, list[float]]]) -> dict[str, float]:
+    """One round's burst figures: per server and N, p50 and p95 ms; per N, voicewire's p95 less the baseline's."""
+    figures = {f"{name} {n} p{q}": percentile(values, q) for name, by_n in got.items()
+               for n, values in by_n.items() for q in (50, 95)}
+    for n in got["voicewire"]:
+        figures[f"added {n} p95"] = figures[f"voicewire {n} p95"] - figures[f"baseline {n} p95"]
+    return figures
+
+
+Round = tuple[dict[str, list[float]], list[Trial], dict[str, dict[int, list[float]]]]
+"""One round of the bench: idle latency per server, the stream trials, the bursts per server and N."""
+
+
+async def bench(args: argparse.Namespace) -> list[Round]:
+    """Each round's idle latency, trials and bursts, on one pair of servers."""
     os.sched_setaffinity(0, {args.client_cpu})
     cpus = {args.server_cpu}
     servers: dict[str, Server | BaselineServer] = {"voicewire": Server("null", 100000, cpus=cpus),
@@ -402,7 +459,12 @@ async def bench(args: argparse.Namespace) -> list[tuple[dict[str, list[float]], 
                         failed.add(name)
                 if len(failed) == len(servers):
                     break
-            rounds.append((lat, trials))
+            bursts = await burst(servers, args.burst, args.burst_reps, seed) if args.burst else {}
+            for name, by_n in bursts.items():
+                for n, values in by_n.items():
+                    print(f"round {round_ + 1} burst of {n} {name}: p50 {percentile(values, 50):.1f} ms  "
+                          f"p95 {percentile(values, 95):.1f} ms", flush=True)
+            rounds.append((lat, trials, bursts))
     finally:
         for server in servers.values():
             server.stop()
@@ -419,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a stream asks for its next sentence this many seconds before its audio runs out")
     parser.add_argument("--latency-reps", type=int, default=200, help="idle units timed per server and round")
     parser.add_argument("--rounds", type=int, default=3, help="runs of both parts, reported as median [min-max]")
+    parser.add_argument("--burst", type=lambda s: [int(x) for x in s.split(",") if x], default=[64, 128],
+                        help="comma-separated N of the synchronized bursts (empty: none)")
+    parser.add_argument("--burst-reps", type=int, default=5, help="bursts timed per N, server and round")
     parser.add_argument("--server-cpu", type=int, default=0)
     parser.add_argument("--client-cpu", type=int, default=1)
     parser.add_argument("--seed", type=int, default=7)
@@ -435,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     provenance = Provenance.begin()
     rounds = asyncio.run(bench(args))
     provenance = provenance.end()
-    trials = [t for _, mine in rounds for t in mine]
-    latencies = [latency_figures(lat) for lat, _ in rounds]
+    trials = [t for _, mine, _ in rounds for t in mine]
+    latencies = [latency_figures(lat) for lat, _, _ in rounds]
     print()
     print(provenance.line())
     print(f"overhead: server and baseline on cpu {args.server_cpu}, clients on cpu {args.client_cpu}, null engine, "
@@ -458,11 +523,22 @@ def main(argv: list[str] | None = None) -> int:
                 trial_rows(trials, args.lead)))
     for name in ("voicewire", "baseline"):
         print(verdict(trials, name, args.rounds, args.lead))
+    if args.burst:
+        bursts = [burst_figures(got) for _, _, got in rounds]
+        print()
+        print(f"synchronized bursts ({args.burst_reps} per N, server and round): ms from input.done to the first "
+              "audio byte, median [min-max] over rounds of each round's figure")
+        print(table(["N", "voicewire p50", "voicewire p95", "baseline p50", "baseline p95", "added p95"],
+                    [[n, *spreads(bursts, {f"voicewire {n} p50": "{:.1f}", f"voicewire {n} p95": "{:.1f}",
+                                           f"baseline {n} p50": "{:.1f}", f"baseline {n} p95": "{:.1f}",
+                                           f"added {n} p95": "{:.1f}"})] for n in args.burst]))
     if args.json:
         print(dump_json({"bench": "overhead", "provenance": provenance.as_dict(), "args": vars(args),
                          "rounds": [{"latency_ms": lat,
-                                     "trials": [{**vars(t), "passed": t.passed(args.lead)} for t in mine]}
-                                    for lat, mine in rounds]}))
+                                     "trials": [{**vars(t), "passed": t.passed(args.lead)} for t in mine],
+                                     "burst_ms": {name: {str(n): v for n, v in by_n.items()}
+                                                  for name, by_n in got.items()}}
+                                    for lat, mine, got in rounds]}))
     return 0
 
 
