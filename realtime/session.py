@@ -68,6 +68,7 @@ from voicewire.protocol.session import (
     message_type,
 )
 from voicewire.realtime.context import ServerContext
+from voicewire.realtime.frames import write_frames
 from voicewire.realtime.pipeline import UnitRuns, decode_reference, needs_reference
 
 log = logging.getLogger("voicewire.session")
@@ -599,17 +600,15 @@ class SessionRuntime:
     async def _write_loop(self) -> None:
         """Send the replay log's frames to the connection in order; number the next frame the output hands
         out into the log when everything recorded went out (or, without a connection, while the log has
-        room)."""
+        room), and with it the frames the output has ready at once, as long as all of them go out in one
+        write (`_send_recorded`)."""
         output, replay = self.output, self.replay
         room = self._control_room
         max_pending = self.settings.max_pending_events
         while True:
             conn = self._conn
             if conn is not None and conn.ready and conn.sent < replay.last_seq:
-                seq = conn.sent + 1
-                await self._send(conn, replay.frame(seq))
-                conn.sent = max(conn.sent, seq)
-                replay.sent(seq)
+                await self._send_recorded(conn)
                 continue
             frame = None
             if replay.room:
@@ -625,8 +624,41 @@ class SessionRuntime:
                 await self._wait()
                 continue
             self._record(frame)
+            if conn is not None and conn.ready and conn.sent < replay.last_seq:
+                self._record_ready(conn)
             if not room.is_set() and output.pending_events < max_pending:
                 room.set()
+
+    def _record_ready(self, conn: Connection) -> None:
+        """Record the frames the output has ready now, behind those recorded and not yet sent on `conn`, while
+        all of them still fit the socket's buffer unpaused (`_fits_unpaused`): they go out in one write."""
+        output, replay = self.output, self.replay
+        unsent = [replay.frame(seq) for seq in range(conn.sent + 1, replay.last_seq + 1)]
+        while replay.room and _fits_unpaused(conn, _wire_size(unsent)):
+            frame = output.next_output(_now_ms())
+            self._settle()
+            if frame is None:
+                return
+            self._record(frame)
+            unsent.append(replay.frame(replay.last_seq))
+
+    async def _send_recorded(self, conn: Connection) -> None:
+        """Send on `conn` the frames recorded and not yet sent on it: several in one write when the socket
+        takes them all at once (`frames.write_frames`: a system call each costs the loop more than the frame's
+        bytes), else the next one on its own, through aiohttp, which waits for a socket that does not."""
+        replay = self.replay
+        first, last = conn.sent + 1, replay.last_seq
+        if last > first and not conn.ws.compress and not conn.gone and not conn.ws.closed:
+            frames = [replay.frame(seq) for seq in range(first, last + 1)]
+            if _fits_unpaused(conn, _wire_size(frames)):
+                write_frames(cast("asyncio.WriteTransport", conn.transport), frames)
+                conn.sent = max(conn.sent, last)
+                replay.sent(last)
+                self._last_activity = time.monotonic()
+                return
+        await self._send(conn, replay.frame(first))
+        conn.sent = max(conn.sent, first)
+        replay.sent(first)
 
     async def _wait(self) -> None:
         """Wait for a wake-up; while blocked on acknowledgements, no longer than the stall timeout."""
@@ -746,6 +778,13 @@ async def _close_stalled(ws: web.WebSocketResponse) -> None:
 
 FRAME_HEADER_MAX = 14
 """The most bytes a WebSocket frame header takes."""
+
+
+def _wire_size(frames: list[str | bytes]) -> int:
+    """An upper bound of `frames`' payload bytes on the wire, all headers but one included (`_fits_unpaused`
+    counts one): a `str` as 4 bytes a character, its most in UTF-8."""
+    return (sum(len(f) if isinstance(f, bytes) else 4 * len(f) for f in frames)
+            + FRAME_HEADER_MAX * (len(frames) - 1))
 
 
 def _fits_unpaused(conn: Connection, size: int) -> bool:
