@@ -648,10 +648,12 @@ class SessionRuntime:
         bytes), else the next one on its own, through aiohttp, which waits for a socket that does not."""
         replay = self.replay
         first, last = conn.sent + 1, replay.last_seq
-        if last > first and not conn.ws.compress and not conn.gone and not conn.ws.closed:
+        transport = cast("asyncio.WriteTransport | None", conn.transport)
+        if (last > first and transport is not None and not transport.is_closing() and not conn.ws.compress
+                and not conn.gone and not conn.ws.closed):
             frames = [replay.frame(seq) for seq in range(first, last + 1)]
             if _fits_unpaused(conn, _wire_size(frames)):
-                write_frames(cast("asyncio.WriteTransport", conn.transport), frames)
+                write_frames(transport, frames)
                 conn.sent = max(conn.sent, last)
                 replay.sent(last)
                 self._last_activity = time.monotonic()
