@@ -385,8 +385,10 @@ def measure(got: list[tuple[float, Arrivals, str | None]], rate: int) -> dict[st
     """One round's figures from its streams (`play`); a stream with an error or no audio counts as failed."""
     streams: list[Stream] = []
     errors = []
+    timelines = []
     for sent, arrivals, error in got:
         samples = pcm_samples(arrivals)
+        timelines.append(timeline(sent, samples, rate))
         if error is not None or not samples:
             errors.append(error or "no audio")
             continue
@@ -398,7 +400,7 @@ def measure(got: list[tuple[float, Arrivals, str | None]], rate: int) -> dict[st
             "stall_chunks": [list(s.stall_chunks) for s in streams], "rtf": [s.rtf for s in streams],
             "errors": errors,
             "audio_s_per_wall_s": sum(s.audio_s for s in streams) / max(last - first, 1e-9),
-            "timelines": [timeline(sent, pcm_samples(arrivals), rate) for sent, arrivals, _ in got]}
+            "timelines": timelines}
 
 
 def timeline(sent: float, samples: list[tuple[float, int]], rate: int) -> list[list[int]]:

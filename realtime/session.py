@@ -633,14 +633,14 @@ class SessionRuntime:
         """Record the frames the output has ready now, behind those recorded and not yet sent on `conn`, while
         all of them still fit the socket's buffer unpaused (`_fits_unpaused`): they go out in one write."""
         output, replay = self.output, self.replay
-        unsent = [replay.frame(seq) for seq in range(conn.sent + 1, replay.last_seq + 1)]
-        while replay.room and _fits_unpaused(conn, _wire_size(unsent)):
+        size = _wire_size([replay.frame(seq) for seq in range(conn.sent + 1, replay.last_seq + 1)])
+        while replay.room and _fits_unpaused(conn, size):
             frame = output.next_output(_now_ms())
             self._settle()
             if frame is None:
                 return
             self._record(frame)
-            unsent.append(replay.frame(replay.last_seq))
+            size += _wire_size([replay.frame(replay.last_seq)]) + FRAME_HEADER_MAX
 
     async def _send_recorded(self, conn: Connection) -> None:
         """Send on `conn` the frames recorded and not yet sent on it: several in one write when the socket
