@@ -395,6 +395,20 @@ async def test_a_first_chunk_the_request_asks_for_is_honoured(omni_server: Serve
     assert rate == RATE and audio_samples_ok(samples, sentence)
 
 
+@kind("custom_voice")
+async def test_a_seeded_prompt_longer_than_a_cpu_step_is_spoken_whole(omni_server: ServerThread) -> None:
+    """A seeded unit whose prompt passes the 512 tokens per step vllm-omni's CPU talker stage once had
+    speaks, and the engine speaks on after it: chunked, its partial prefill rewound the seeded generator
+    through an offset CPU generators lack and killed the stage (the CPU stage config prefills whole)."""
+    text = " ".join(f"Line {n} of a long prompt." for n in range(120))
+    tokenizer = AutoTokenizer.from_pretrained(engine(omni_server).config.model)
+    assert len(tokenizer(text)["input_ids"]) > 512
+    for request_id, words in (("long-seeded", text), ("after-long-seeded", "Still speaking.")):
+        chunks = await engine_chunks(omni_server, SynthesisRequest(request_id=request_id, text=words,
+                                                                   voice="vivian", seed=7, max_new_tokens=3))
+        assert (3 - 1) * FRAME <= sum(map(len, chunks)) <= 3 * FRAME
+
+
 # -- VoiceDesign --------------------------------------------------------------------------------------
 
 
