@@ -36,7 +36,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -290,6 +290,21 @@ class TalkerEngine:
         async with contextlib.aclosing(self._outputs(request, self._prompt(request))) as outputs:
             async for output in outputs:
                 yield len(output.outputs[0].token_ids)
+
+    async def frontend_seconds(self, requests: Sequence[SynthesisRequest]) -> float:
+        """For benchmarks: the seconds this event loop spends handing `requests` to vLLM back to back (each
+        one's prompt and sampling parameters, then vLLM's `add_request`), which is what a synchronized burst
+        of sessions pays before its last request reaches vLLM's engine core. All are aborted afterwards."""
+        llm = self._llm
+        if llm is None:
+            raise RuntimeError("talker: engine is not started (call start() first)")
+        began = time.perf_counter()
+        try:
+            for request in requests:
+                await llm.add_request(request.request_id, self._prompt(request), self._sampling_params(request))
+            return time.perf_counter() - began
+        finally:
+            await llm.abort([request.request_id for request in requests])
 
     # -- request -------------------------------------------------------------------------------------
 

@@ -17,7 +17,10 @@ Where the time goes (`--trace`, on by default): the engine records each unit's f
 first vLLM output, first frame, codec batch start / end, piece yielded; `TalkerEngine.trace`), paired with the
 client's send and first-byte times through the session's seed, so TTFA splits into: client -> engine call,
 talker prefill + first 7 tokens, codec queue wait, codec decode, hand-back, server -> client. Stalls are
-reported with the index of the chunk that arrived late.
+reported with the index of the chunk that arrived late. Beside the stages, per round: the ms the server's
+loop spends handing the level's C requests to vLLM back to back (`TalkerEngine.frontend_seconds`: prompt,
+sampling parameters, vLLM's `add_request`; aborted at once), the part of a burst's "client -> engine call"
+that is vLLM's own frontend rather than the serving path.
 
 Before the server starts, a codec micro-benchmark (CUDA only): the SNAC decoder alone, float32 eager (the
 previous engine) against the engine's float16 CUDA graphs, per (batch, window frames), and the float16
@@ -152,6 +155,14 @@ async def raw_talker(engine: TalkerEngine, concurrency: int, text: str, tag: str
         return (first - began) * 1000.0, wall / (tokens / CODES_PER_FRAME * FRAME_S)
 
     return list(await asyncio.gather(*(one(i) for i in range(concurrency))))
+
+
+async def frontend_ms(engine: TalkerEngine, concurrency: int, text: str, tag: str) -> float:
+    """ms the server's loop spends handing C requests (this level's units) to vLLM back to back
+    (`TalkerEngine.frontend_seconds`): vLLM's share of the "client -> engine call" stage of a burst."""
+    requests = [SynthesisRequest(request_id=f"frontend-{tag}-{index}", text=text, voice="tara", seed=index)
+                for index in range(concurrency)]
+    return 1000.0 * await engine.frontend_seconds(requests)
 
 
 # -- codec alone (CUDA) -----------------------------------------------------------------------------------
@@ -312,6 +323,8 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                     after = engine.stats
                     raw = server.call(functools.partial(raw_talker, engine, conc, TEXT, f"m{number}r{round_}"),
                                       timeout=600)
+                    frontend = server.call(functools.partial(frontend_ms, engine, conc, TEXT, f"m{number}r{round_}"),
+                                           timeout=600)
                     streams = [play(sent, arrivals, SAMPLE_RATE) for sent, arrivals, _ in got]
                     first_sent = min(sent for sent, _, _ in got)
                     last_byte = max(arrivals[-1][0] for _, arrivals, _ in got)
@@ -329,7 +342,7 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                         "audio_s_per_wall_s": sum(s.audio_s for s in streams) / (last_byte - first_sent),
                         "raw_first_frame_ms": [r[0] for r in raw], "raw_rtf": [r[1] for r in raw],
                         "server_first_audio_ms": [f for _, _, f in got if f is not None],
-                        "stages_ms": split,
+                        "stages_ms": split, "frontend_ms": frontend,
                         "codec_batches": a.batches - b.batches, "codec_windows": a.windows - b.windows,
                         "codec_decode_s": a.decode_s - b.decode_s, "codec_max_decode_ms": a.max_decode_ms,
                         "codec_late_windows": a.late - b.late, "codec_max_batch": a.max_batch,
@@ -354,7 +367,7 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                                  f"{len(pauses.ms)} (max {max(pauses.ms, default=0.0):.1f} ms)"])
                     stage_rows.append([f"{label} r{round_ + 1}",
                                        *(f"{percentile(split[name], 50):.1f}" for name, _, _ in STAGES),
-                                       f"{percentile(level['server_first_audio_ms'], 50):.1f}"])
+                                       f"{percentile(level['server_first_audio_ms'], 50):.1f}", f"{frontend:.1f}"])
             finally:  # a level cut short (budget, SIGTERM) keeps its summary row
                 if rounds:
                     summary.append([label, len(rounds), spread([percentile(r["ttfa_ms"], 50) for r in rounds]),
@@ -364,7 +377,8 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                                     " ".join(f"{sum(r['stall_s']):.2f}" for r in rounds),
                                     spread([r["audio_s_per_wall_s"] for r in rounds], "{:.1f}"),
                                     spread([percentile(r["stages_ms"]["client -> engine call"], 95) for r in rounds],
-                                           "{:.1f}")])
+                                           "{:.1f}"),
+                                    spread([r["frontend_ms"] for r in rounds], "{:.1f}")])
             print(f"concurrency {label} done", flush=True)
             if args.out is not None:
                 args.out.mkdir(parents=True, exist_ok=True)
@@ -379,11 +393,13 @@ def _report(rows: list[list[str]], stage_rows: list[list[str]], summary: list[li
     print(table(header, rows))
     print()
     print("first-chunk stages, p50 ms:")
-    print(table(["conc", *(name for name, _, _ in STAGES), "server commit -> socket"], stage_rows))
+    print(table(["conc", *(name for name, _, _ in STAGES), "server commit -> socket",
+                 "vLLM frontend, C requests (ms, not p50)"], stage_rows))
     print()
     print("summary over rounds: median [min-max] of each round's figure; stalls listed per round")
     print(table(["conc", "rounds", "TTFA p50 ms", "TTFA p95 ms", "RTF p50", "streams with a stall, per round",
-                 "stall s, per round", "audio s per wall s", "client -> engine call p95 ms"], summary), flush=True)
+                 "stall s, per round", "audio s per wall s", "client -> engine call p95 ms",
+                 "vLLM frontend, C requests ms"], summary), flush=True)
 
 
 def _cuda() -> bool:

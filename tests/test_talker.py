@@ -231,3 +231,20 @@ async def test_a_seeded_prompt_longer_than_a_cpu_step_is_spoken_whole(talker_ser
 
     assert talker_server.call(lambda: samples("long-prompt", text), timeout=120) == 2 * F
     assert talker_server.call(lambda: samples("after-long-prompt", "Still here.")) == 2 * F
+
+
+async def test_frontend_seconds_hands_requests_to_vllm_and_aborts_them(talker_server: ServerThread) -> None:
+    """The benchmarks' measure of vLLM's frontend: the requests reach the engine core and are aborted there
+    (no request left running, its KV cache blocks freed, no token after)."""
+    eng = engine(talker_server)
+    text = "Handed over, then dropped."
+    requests = [SynthesisRequest(request_id=f"frontend-{index}", text=text, voice="tara", seed=index)
+                for index in range(4)]
+    before = eng.stats.steps.generated_tokens
+    assert talker_server.call(lambda: eng.frontend_seconds(requests)) > 0
+    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_engine_idle(talker_server), talker_server.loop))
+    idle = eng.stats.steps
+    assert idle.running == 0 and idle.kv_cache_usage == 0.0
+    assert idle.generated_tokens - before < eng.unit_frames(text) * CODES_PER_FRAME, "stopped before one unit's length"
+    await asyncio.sleep(0.5)
+    assert eng.stats.steps.generated_tokens == idle.generated_tokens
