@@ -20,7 +20,8 @@ talker prefill + first 7 tokens, codec queue wait, codec decode, hand-back, serv
 reported with the index of the chunk that arrived late. Beside the stages, per round: the ms the server's
 loop spends handing the level's C requests to vLLM back to back (`TalkerEngine.frontend_seconds`: prompt,
 sampling parameters, vLLM's `add_request`; aborted at once), the part of a burst's "client -> engine call"
-that is vLLM's own frontend rather than the serving path.
+that is vLLM's own frontend rather than the serving path. `--frontend-only` measures that alone, without
+sessions, at levels a CPU cannot serve (`--shape tiny --frontend-only --concurrency 64,128 --rounds 10`).
 
 Before the server starts, a codec micro-benchmark (CUDA only): the SNAC decoder alone, float32 eager (the
 previous engine) against the engine's float16 CUDA graphs, per (batch, window frames), and the float16
@@ -241,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per level (after one warm-up)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no level or round once this many seconds have passed since the bench began")
+    parser.add_argument("--frontend-only", action="store_true",
+                        help="only vLLM's frontend per level and round (no sessions): C requests handed to vLLM "
+                             "back to back, for levels a CPU cannot serve")
     args = parser.parse_args(argv)
     provenance = Provenance.begin()
     bench_began = time.perf_counter()
@@ -285,17 +289,35 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: print what ran, then stop
     try:
-        _levels(args, levels, engine, server, codec, results, rows, stage_rows, summary, spent)
+        if args.frontend_only:
+            _frontend_levels(args, levels, engine, server, results, summary)
+        else:
+            _levels(args, levels, engine, server, codec, results, rows, stage_rows, summary, spent)
     finally:
         ended = provenance.end()
         results["provenance"] = ended.as_dict()
         print(ended.line())
-        _report(rows, stage_rows, summary)
+        if args.frontend_only:
+            print(table(["conc", "rounds", "vLLM frontend, C requests ms", "per request us"], summary), flush=True)
+        else:
+            _report(rows, stage_rows, summary)
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "talker_gpu.json").write_text(json.dumps(results, indent=1))
         server.stop()
     return 0
+
+
+def _frontend_levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engine: TalkerEngine,
+                     server: ServerThread, results: dict[str, Any], summary: list[list[Any]]) -> None:
+    """`--frontend-only`: per level one warm-up, then `--rounds` rounds of `frontend_ms`."""
+    for number, (conc, _) in enumerate(levels):
+        server.call(functools.partial(frontend_ms, engine, conc, TEXT, f"warm{number}"), timeout=600)
+        spent_ms = [server.call(functools.partial(frontend_ms, engine, conc, TEXT, f"f{number}r{round_}"),
+                                timeout=600) for round_ in range(args.rounds)]
+        results["levels"].append({"concurrency": conc, "frontend_ms": spent_ms})
+        summary.append([conc, len(spent_ms), spread(spent_ms, "{:.1f}"),
+                        spread([1000.0 * ms / conc for ms in spent_ms], "{:.0f}")])
 
 
 def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engine: TalkerEngine,
