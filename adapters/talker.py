@@ -295,9 +295,7 @@ class TalkerEngine:
         """For benchmarks: the seconds this event loop spends handing `requests` to vLLM back to back (each
         one's prompt and sampling parameters, then vLLM's `add_request`), which is what a synchronized burst
         of sessions pays before its last request reaches vLLM's engine core. All are aborted afterwards."""
-        llm = self._llm
-        if llm is None:
-            raise RuntimeError("talker: engine is not started (call start() first)")
+        llm = self._started_llm()
         began = time.perf_counter()
         try:
             for request in requests:
@@ -308,6 +306,12 @@ class TalkerEngine:
 
     # -- request -------------------------------------------------------------------------------------
 
+    def _started_llm(self) -> Any:
+        """vLLM's `AsyncLLM`; RuntimeError before `start()`."""
+        if self._llm is None:
+            raise RuntimeError("talker: engine is not started (call start() first)")
+        return self._llm
+
     def _prompt(self, request: SynthesisRequest) -> dict[str, Any]:
         voice = self._voices.get(request.voice)
         if voice is None:
@@ -317,9 +321,7 @@ class TalkerEngine:
     async def _outputs(self, request: SynthesisRequest, prompt: dict[str, Any]) -> AsyncGenerator[_RequestOutput]:
         """The unit's vLLM request, its streamed outputs in order; closing this before the last one aborts the
         request (its token generation stops and its KV cache blocks are freed at the next engine step)."""
-        llm = self._llm
-        if llm is None:
-            raise RuntimeError("talker: engine is not started (call start() first)")
+        llm = self._started_llm()
         stream = llm.generate(prompt, self._sampling_params(request), request.request_id)
         finished = False
         try:
