@@ -5,10 +5,7 @@ First model family: the Orpheus layout (`talker_layout.py`): a Llama talker whos
 from local folders only (`TalkerConfig.talker_model`, `.codec_model`); nothing is fetched at run time.
 
 One `AsyncLLM` serves every session: each unit is one vLLM request streaming token ids
-(`RequestOutputKind.DELTA`), so all sessions' talker steps are continuously batched together. It lives on
-an event loop of its own thread (`LoopThread`), not the server's: vLLM's frontend (each request's input
-processing, the output handler that splits every engine step into per-request outputs) would otherwise
-take the server's loop from every session's reads and writes, tens of ms when many sessions start at once. The talker
+(`RequestOutputKind.DELTA`), so all sessions' talker steps are continuously batched together. The talker
 runs ahead on its own while a unit's audio is decoded and sent. Frames are grouped into chunks by the
 ramped schedule of `ChunkStreamer`, and every session's chunks go through one `CodecBatcher`, which
 decodes windows of equal length as one batch.
@@ -46,7 +43,6 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 from voicewire.adapters.base import RequestCounts, counted_outcome
-from voicewire.adapters.loop_thread import LoopThread
 from voicewire.adapters.registry import TALKER
 from voicewire.adapters.talker_codec import (
     ChunkPolicy,
@@ -214,7 +210,6 @@ class TalkerEngine:
         self._batcher = CodecBatcher(self._codec, config.codec_max_batch, config.codec_max_batch_frames)
         self._tokenizer: _Tokenizer | None = None
         self._llm: Any = None
-        self._frontend: LoopThread | None = None
         self._counts: dict[str, int] = {}
         self._steps = StepStats()
         self._trace: dict[str, dict[str, float]] | None = None
@@ -237,9 +232,8 @@ class TalkerEngine:
         return recorded
 
     async def start(self) -> None:
-        """Load the tokenizer, the codec and the talker (vLLM spawns its engine-core process; its `AsyncLLM`
-        lives on the frontend thread's loop), then run one unit through the whole path and decode every window
-        length of the standard ramp once."""
+        """Load the tokenizer, the codec and the talker (vLLM spawns its engine-core process), then run one
+        unit through the whole path and decode every window length of the standard ramp once."""
         if self._llm is not None:
             return
         from tokenizers import Tokenizer
@@ -251,9 +245,8 @@ class TalkerEngine:
         # The codec's CUDA graphs are captured on the codec thread while vLLM starts (~1.2 s per shape).
         capture = asyncio.ensure_future(self._batcher.on_codec_thread(
             self._codec.prepare, self._window_lengths(), self.config.codec_max_batch))
-        self._frontend = LoopThread("talker-frontend")
         try:
-            self._llm = await self._frontend.call(self._create_llm)
+            self._llm = await asyncio.to_thread(self._create_llm)
             await capture
             await self._warm_up()
         except BaseException:
@@ -265,18 +258,11 @@ class TalkerEngine:
         self._batcher.stats = CodecStats()
 
     async def close(self) -> None:
-        """Abort nothing (callers close their iterators first); stop the codec worker, vLLM and the frontend
-        thread."""
+        """Abort nothing (callers close their iterators first); stop the codec worker and vLLM."""
         await self._batcher.close()
         llm, self._llm = self._llm, None
-        frontend, self._frontend = self._frontend, None
-        if frontend is None:
-            return
-        try:
-            if llm is not None:
-                await frontend.call(_shutdown, llm)
-        finally:
-            await asyncio.to_thread(frontend.stop)
+        if llm is not None:
+            llm.shutdown()
 
     def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         return self._synthesize(request)
@@ -306,36 +292,25 @@ class TalkerEngine:
                 yield len(output.outputs[0].token_ids)
 
     async def frontend_seconds(self, requests: Sequence[SynthesisRequest]) -> float:
-        """For benchmarks: the seconds vLLM's frontend spends on its thread's loop taking `requests` back to
-        back (each one's prompt and sampling parameters, then vLLM's `add_request`), which is what a
-        synchronized burst of sessions waits before its last request reaches vLLM's engine core (no longer on
-        the server's loop). All are aborted afterwards."""
+        """For benchmarks: the seconds this event loop spends handing `requests` to vLLM back to back (each
+        one's prompt and sampling parameters, then vLLM's `add_request`), which is what a synchronized burst
+        of sessions pays before its last request reaches vLLM's engine core. All are aborted afterwards."""
         llm = self._started_llm()
-
-        async def hand_over() -> float:
-            began = time.perf_counter()
-            try:
-                for request in requests:
-                    await llm.add_request(request.request_id, self._prompt(request), self._sampling_params(request))
-                return time.perf_counter() - began
-            finally:
-                await llm.abort([request.request_id for request in requests])
-
-        return await self._on_frontend().call(hand_over)
+        began = time.perf_counter()
+        try:
+            for request in requests:
+                await llm.add_request(request.request_id, self._prompt(request), self._sampling_params(request))
+            return time.perf_counter() - began
+        finally:
+            await llm.abort([request.request_id for request in requests])
 
     # -- request -------------------------------------------------------------------------------------
 
     def _started_llm(self) -> Any:
-        """vLLM's `AsyncLLM` (used on the frontend thread's loop only); RuntimeError before `start()`."""
+        """vLLM's `AsyncLLM`; RuntimeError before `start()`."""
         if self._llm is None:
             raise RuntimeError("talker: engine is not started (call start() first)")
         return self._llm
-
-    def _on_frontend(self) -> LoopThread:
-        """The frontend thread; RuntimeError before `start()`."""
-        if self._frontend is None:
-            raise RuntimeError("talker: engine is not started (call start() first)")
-        return self._frontend
 
     def _prompt(self, request: SynthesisRequest) -> dict[str, Any]:
         voice = self._voices.get(request.voice)
@@ -344,28 +319,20 @@ class TalkerEngine:
         return {"prompt_token_ids": self.prompt_token_ids(voice.name, request.text), "cache_salt": voice.cache_salt}
 
     async def _outputs(self, request: SynthesisRequest, prompt: dict[str, Any]) -> AsyncGenerator[_RequestOutput]:
-        """The unit's vLLM request, its streamed outputs in order (produced on the frontend thread); closing
-        this before the last one aborts the request (its token generation stops and its KV cache blocks are
-        freed at the next engine step) and returns once the abort is done."""
+        """The unit's vLLM request, its streamed outputs in order; closing this before the last one aborts the
+        request (its token generation stops and its KV cache blocks are freed at the next engine step)."""
         llm = self._started_llm()
-        params = self._sampling_params(request)
-
-        async def generate() -> AsyncGenerator[_RequestOutput]:
-            stream = llm.generate(prompt, params, request.request_id)
-            finished = False
-            try:
-                async for output in cast(AsyncIterator[_RequestOutput], stream):
-                    finished = output.finished
-                    yield output
-                finished = True
-            finally:
-                if not finished:
-                    await llm.abort(request.request_id)
-                await stream.aclose()
-
-        async with contextlib.aclosing(self._on_frontend().stream(generate)) as outputs:
-            async for output in outputs:
+        stream = llm.generate(prompt, self._sampling_params(request), request.request_id)
+        finished = False
+        try:
+            async for output in cast(AsyncIterator[_RequestOutput], stream):
+                finished = output.finished
                 yield output
+            finished = True
+        finally:
+            if not finished:
+                await llm.abort(request.request_id)
+            await stream.aclose()
 
     async def _synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         if request.speed != 1.0:
@@ -448,9 +415,7 @@ class TalkerEngine:
 
     # -- start-up ------------------------------------------------------------------------------------
 
-    async def _create_llm(self) -> Any:
-        """vLLM's `AsyncLLM`, created on the frontend thread's loop (so its output handler runs there); that
-        loop is blocked while the engine core starts, with nothing else on it yet."""
+    def _create_llm(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -513,11 +478,6 @@ class TalkerEngine:
         """Add to one counter of `TalkerStats` (a dict update: this runs for every streamed output)."""
         counts = self._counts
         counts[name] = counts.get(name, 0) + value
-
-
-async def _shutdown(llm: Any) -> None:
-    """Stop vLLM on the loop its output handler runs on."""
-    llm.shutdown()
 
 
 def _warm_codes(frames: int) -> Any:
