@@ -378,6 +378,7 @@ class TalkerEngine:
             try:
                 async with contextlib.aclosing(due_windows()) as windows:
                     async for window in windows:
+                        cut = time.perf_counter()
                         times: list[float] | None = None
                         if played_from is None:
                             deadline = time.perf_counter()
@@ -387,6 +388,7 @@ class TalkerEngine:
                         else:
                             deadline = played_from + sent / SAMPLE_RATE
                         audio = await self._batcher.decode(window, deadline, times)
+                        streamer.delivered(time.perf_counter() - cut)
                         if played_from is None:
                             played_from = time.perf_counter()
                             if trace is not None and times:

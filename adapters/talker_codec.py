@@ -19,7 +19,10 @@ which samples of the decoded window to send:
   which leaves the device to the talker); and whenever the audio cut so far would run out within
   `margin_s` plus the time to the next arrival of frames, the frames in hand go out at once as a chunk (a
   slow talker under load: a chunk is never later than the audio before it, for any real-time factor
-  under 1, where the ramp alone runs dry past about 0.66). Until the pace is known (one arrival), frames
+  under 1, where the ramp alone runs dry past about 0.66). The margin follows the engine's load: the
+  caller reports each chunk's cut -> decoded latency (`delivered`), and the margin is at least its recent
+  peak plus `delivery_slack_s` (a codec busy with large batches needs chunks cut earlier). Until the pace
+  is known (one arrival), frames
   in hand after the first chunk go out at once. A talker slower than real time gets no early cuts: the
   listener hears a gap either way, and the ramp's larger chunks keep the codec from adding to the load
   that slowed it. Without `now` the schedule is the ramp alone.
@@ -86,6 +89,11 @@ class ChunkPolicy:
     hand-back and the socket); the measured time between two arrivals of frames is added."""
     pace_smoothing: float = 0.25
     """Weight of the newest inter-arrival time in the talker's measured seconds per frame."""
+    delivery_slack_s: float = 0.05
+    """Paced streams with measured delivery (`ChunkStreamer.delivered`): the margin is at least the recent
+    peak of cut -> decoded latency plus this (the hand-back and the socket)."""
+    delivery_hold: float = 0.9
+    """Per delivered chunk, the factor by which the held peak delivery latency decays toward newer ones."""
 
     def __post_init__(self) -> None:
         if self.initial_frames < 1 or self.steady_frames < 1:
@@ -96,6 +104,8 @@ class ChunkPolicy:
             raise ValueError("context and pad frames must be >= 0")
         if self.margin_s < 0 or not 0 < self.pace_smoothing <= 1:
             raise ValueError("margin_s must be >= 0 and pace_smoothing in (0, 1]")
+        if self.delivery_slack_s < 0 or not 0 <= self.delivery_hold < 1:
+            raise ValueError("delivery_slack_s must be >= 0 and delivery_hold in [0, 1)")
 
     def next_size(self, sent: int) -> int:
         """Frames in the chunk after the first `sent` frames (the ramp; see the module doc)."""
@@ -140,6 +150,8 @@ class ChunkStreamer:
     _gap_s: float | None = None
     """Paced: the measured seconds between two arrivals of frames (smoothed): how long the next chance to cut
     may be away."""
+    _delivery_s: float = 0.0
+    """Paced: the held peak of the cut -> decoded latency reported by `delivered` (0 until one is)."""
 
     def push(self, frames: CodeFrames, final: bool = False, now: float | None = None) -> list[DecodeWindow]:
         """Add `frames`; `final` says no frame follows them (a chunk ending the unit then needs no stand-in
@@ -175,6 +187,14 @@ class ChunkStreamer:
             return []
         return [self._window(self._total, 0, 0)]
 
+    def delivered(self, latency_s: float) -> None:
+        """Report how long the last chunk took from its cut to its decoded audio (codec queue and decode):
+        under load this grows, and so does the margin the paced rules keep (`ChunkPolicy.delivery_slack_s`)."""
+        self._delivery_s = max(latency_s, self._delivery_s * self.policy.delivery_hold)
+
+    def _margin(self) -> float:
+        return max(self.policy.margin_s, self._delivery_s + self.policy.delivery_slack_s if self._delivery_s else 0.0)
+
     def _measure_pace(self, frames: int, now: float) -> None:
         if self._last_arrival is not None:
             gap = max(0.0, now - self._last_arrival)
@@ -200,7 +220,7 @@ class ChunkStreamer:
             return True  # until a second arrival shows the talker's pace, any wait may be too long
         if self._frame_s is not None and self._frame_s >= _FRAME_SECONDS:
             return False  # slower than real time: a gap comes anyway; chunks of the ramp's size cost less codec work
-        return left <= self.policy.margin_s + self._gap_s
+        return left <= self._margin() + self._gap_s
 
     def _affordable(self, now: float | None) -> int:
         """Paced: the largest next chunk whose missing frames the talker makes, at its measured pace, before
@@ -209,7 +229,7 @@ class ChunkStreamer:
         if left is None or not self._frame_s:
             return 0
         lookahead = self.policy.lookahead_frames if self._next >= self.policy.lookahead_from_frame else 0
-        makeable = int((left - self.policy.margin_s) / self._frame_s)
+        makeable = int((left - self._margin()) / self._frame_s)
         in_hand = self._total - self._next - lookahead
         return min(max(in_hand + makeable, 0), self.policy.steady_frames)
 

@@ -4,7 +4,7 @@ decoding with a random-init SNAC decoder, and batching across requests."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -147,11 +147,14 @@ def test_a_unit_that_ends_in_its_first_chunk_is_exact_when_its_end_is_known(code
 FRAME_S = SAMPLES_PER_FRAME / 24000
 
 
-def paced_playback(policy: ChunkPolicy, frames: np.ndarray, rtf: float, decode_s: float, *, paced: bool = True,
-                   burst: int = 1) -> tuple[list[DecodeWindow], list[float]]:
+def paced_playback(policy: ChunkPolicy, frames: np.ndarray, rtf: float, decode_s: float | Callable[[float], float],
+                   *, paced: bool = True, burst: int = 1, report: bool = False
+                   ) -> tuple[list[DecodeWindow], list[float]]:
     """A talker at real-time factor `rtf` (its frames arrive `burst` at a time, after a 30 ms prefill) through
-    a streamer, each window heard `decode_s` after it is cut; returns the windows and the stalls (seconds) a
-    player starting at the first chunk hears. Simulated time: no clock is read."""
+    a streamer, each window heard `decode_s` after it is cut (or `decode_s(cut time)`: a load that changes;
+    with `report`, each window's latency is reported to the streamer as the engine does); returns the windows
+    and the stalls (seconds) a player starting at the first chunk hears. Simulated time: no clock is read."""
+    latency = decode_s if callable(decode_s) else (lambda _at: decode_s)
     streamer = ChunkStreamer(policy, policy.initial_frames)
     cut: list[tuple[float, DecodeWindow]] = []
     now = 0.0
@@ -159,11 +162,16 @@ def paced_playback(policy: ChunkPolicy, frames: np.ndarray, rtf: float, decode_s
         now = 0.03 + (at + burst - 1) * rtf * FRAME_S
         chunk = frames[at:at + burst]
         final = at + burst >= len(frames)
-        cut += [(now, w) for w in streamer.push(chunk, final=final, now=now if paced else None)]
+        due = streamer.push(chunk, final=final, now=now if paced else None)
+        if report:
+            for _ in due:
+                streamer.delivered(latency(now))
+        cut += [(now, w) for w in due]
     cut += [(now, w) for w in streamer.finish()]
-    stalls, playing_until = [], None
-    for at, window in cut:
-        heard = at + decode_s
+    stalls: list[float] = []
+    playing_until: float | None = None
+    for cut_at, window in cut:
+        heard = cut_at + latency(cut_at)
         if playing_until is not None and heard > playing_until + 1e-9:
             stalls.append(heard - playing_until)
         playing_until = max(heard, playing_until or heard) + window.chunk_frames * FRAME_S
@@ -185,6 +193,25 @@ def test_a_paced_schedule_never_lets_the_listener_run_dry_while_the_talker_keeps
     if rtf >= 0.8:
         _, ramp_stalls = paced_playback(policy, frames, rtf, decode_s=0.05, paced=False, burst=burst)
         assert ramp_stalls, "the unpaced ramp runs dry at this speed"
+
+
+@pytest.mark.parametrize("rtf", [0.5, 0.6, 0.7])
+def test_the_margin_follows_the_codecs_measured_delivery_as_load_grows(rtf: float) -> None:
+    """Sessions join and the codec's batches grow: a chunk's cut -> decoded latency climbs from 30 to 200 ms
+    over the first second, past the fixed margin, and the listener runs dry; with each chunk's latency
+    reported (as the engine does), the margin follows it and no chunk is late."""
+    policy = ChunkPolicy()
+    frames = random_frames(115)
+
+    def load(at: float) -> float:
+        return 0.03 + 0.17 * min(at, 1.0)
+
+    _, blind = paced_playback(policy, frames, rtf, load)
+    windows, stalls = paced_playback(policy, frames, rtf, load, report=True)
+    assert blind, "the fixed margin is too small for this load"
+    assert stalls == []
+    assert windows[0].chunk_frames == policy.initial_frames
+    assert sum(w.chunk_frames for w in windows) == 115
 
 
 def test_a_fast_talker_gets_larger_chunks_sooner() -> None:
