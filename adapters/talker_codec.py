@@ -22,10 +22,9 @@ which samples of the decoded window to send:
   under 1, where the ramp alone runs dry past about 0.66). The margin follows the engine's load: the
   caller reports each chunk's cut -> decoded latency (`delivered`), and the margin is at least its recent
   peak plus `delivery_slack_s` (a codec busy with large batches needs chunks cut earlier). Until the pace
-  is known (one arrival), frames
-  in hand after the first chunk go out at once. A talker slower than real time gets no early cuts: the
-  listener hears a gap either way, and the ramp's larger chunks keep the codec from adding to the load
-  that slowed it. Without `now` the schedule is the ramp alone.
+  is known (one arrival), frames in hand after the first chunk go out at once. A talker slower than real
+  time gets no early cuts: the listener hears a gap either way, and the ramp's larger chunks keep the codec
+  from adding to the load that slowed it. Without `now` the schedule is the ramp alone.
 - **Seams.** SNAC's decoder is not causal: a sample depends on about 3 frames on each side. Every chunk is
   decoded with up to `left_context_frames` frames before it, so its first sample equals the whole-sequence
   decode. A chunk that starts at frame `lookahead_from_frame` or later also waits for `lookahead_frames`
