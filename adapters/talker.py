@@ -366,8 +366,9 @@ class TalkerEngine:
                         trace.setdefault("first_output", time.perf_counter())
                     if len(frames):
                         count("frames", len(frames))
-                        for window in streamer.push(frames, final=output.finished or parser.stopped,
-                                                    now=time.perf_counter()):
+                        now = time.perf_counter()
+                        for window in streamer.push(frames, final=output.finished or parser.stopped, now=now,
+                                                    backlog_s=self._batcher.backlog_s(now)):
                             yield window
             for window in streamer.finish():
                 yield window

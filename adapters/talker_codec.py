@@ -21,7 +21,10 @@ which samples of the decoded window to send:
   slow talker under load: a chunk is never later than the audio before it, for any real-time factor
   under 1, where the ramp alone runs dry past about 0.66). The margin follows the engine's load: the
   caller reports each chunk's cut -> decoded latency (`delivered`), and the margin is at least its recent
-  peak plus `delivery_slack_s` (a codec busy with large batches needs chunks cut earlier). Until the pace
+  peak plus `delivery_slack_s` (a codec busy with large batches needs chunks cut earlier), and at least the
+  codec's backlog at the moment of the push (`backlog_s`: the work queued ahead of a window cut now) plus
+  the same slack, so a queue that deepens at once (many sessions cutting together) is met when it forms,
+  not one chunk later. Until the pace
   is known (one arrival), frames in hand after the first chunk go out at once. A talker slower than real
   time gets no early cuts: the listener hears a gap either way, and the ramp's larger chunks keep the codec
   from adding to the load that slowed it. Without `now` the schedule is the ramp alone.
@@ -90,7 +93,8 @@ class ChunkPolicy:
     """Weight of the newest inter-arrival time in the talker's measured seconds per frame."""
     delivery_slack_s: float = 0.05
     """Paced streams with measured delivery (`ChunkStreamer.delivered`): the margin is at least the recent
-    peak of cut -> decoded latency plus this (the hand-back and the socket)."""
+    peak of cut -> decoded latency plus this (the hand-back and the socket), and at least the codec's backlog
+    given with a push (`ChunkStreamer.push`) plus this (the window's own decode, the hand-back, the socket)."""
     delivery_hold: float = 0.9
     """Per delivered chunk, the factor by which the held peak delivery latency decays toward newer ones."""
 
@@ -151,11 +155,17 @@ class ChunkStreamer:
     may be away."""
     _delivery_s: float = 0.0
     """Paced: the held peak of the cut -> decoded latency reported by `delivered` (0 until one is)."""
+    _backlog_s: float = 0.0
+    """Paced: the codec's backlog given with the latest push."""
 
-    def push(self, frames: CodeFrames, final: bool = False, now: float | None = None) -> list[DecodeWindow]:
+    def push(self, frames: CodeFrames, final: bool = False, now: float | None = None,
+             backlog_s: float = 0.0) -> list[DecodeWindow]:
         """Add `frames`; `final` says no frame follows them (a chunk ending the unit then needs no stand-in
         future); `now` (seconds, any monotonic clock, the same for every call) paces the schedule by the
-        listener's clock and the talker's speed (module doc). Call `finish()` after the last push either way."""
+        listener's clock and the talker's speed (module doc); `backlog_s`, the codec's estimated work queued
+        ahead of a window cut now (`CodecBatcher.backlog_s`), widens the margin for this push. Call `finish()`
+        after the last push either way."""
+        self._backlog_s = max(backlog_s, 0.0)
         if len(frames):
             self._frames.append(frames)
             self._total += len(frames)
@@ -192,7 +202,9 @@ class ChunkStreamer:
         self._delivery_s = max(latency_s, self._delivery_s * self.policy.delivery_hold)
 
     def _margin(self) -> float:
-        return max(self.policy.margin_s, self._delivery_s + self.policy.delivery_slack_s if self._delivery_s else 0.0)
+        slack = self.policy.delivery_slack_s
+        return max(self.policy.margin_s, self._delivery_s + slack if self._delivery_s else 0.0,
+                   self._backlog_s + slack if self._backlog_s else 0.0)
 
     def _measure_pace(self, frames: int, now: float) -> None:
         if self._last_arrival is not None:
@@ -499,12 +511,18 @@ class CodecBatcher:
     one batch of audio.
     """
 
+    ROW_SECONDS_HOLD = 0.8
+    """Per batch, the weight the decode time per window frame measured so far keeps against the newest one."""
+
     def __init__(self, codec: SnacCodec, max_batch: int = 64, max_batch_frames: int = 320) -> None:
         self.codec = codec
         self.max_batch = max_batch
         self.max_batch_frames = max_batch_frames
         self.stats = CodecStats()
         self._queue: list[_Job] = []
+        self._queued_rows = 0
+        self._row_s: float | None = None
+        self._in_flight: tuple[float, int] | None = None
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -514,6 +532,20 @@ class CodecBatcher:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="talker-codec")
         self._wake = asyncio.Event()
         self._worker = asyncio.get_running_loop().create_task(self._run(), name="talker-codec")
+
+    def backlog_s(self, now: float) -> float:
+        """Estimated seconds of decoding ahead of a window queued at `now` (`time.perf_counter()`): what is left
+        of the batch on the device and every window queued, at the measured decode time per window frame
+        (smoothed over batches; 0 until a batch has been decoded). An upper estimate for a window more urgent
+        than some of the queue (earliest deadline goes first); constant time."""
+        row_s = self._row_s
+        if row_s is None:
+            return 0.0
+        left = 0.0
+        if self._in_flight is not None:
+            began, rows = self._in_flight
+            left = max(0.0, began + rows * row_s - now)
+        return left + self._queued_rows * row_s
 
     async def on_codec_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the codec thread (CUDA graph capture, warm-up), between batches."""
@@ -542,6 +574,7 @@ class CodecBatcher:
             raise RuntimeError("talker codec: batcher not started")
         future: asyncio.Future[FloatAudio] = asyncio.get_running_loop().create_future()
         self._queue.append(_Job(window, time.perf_counter() if deadline is None else deadline, future, times))
+        self._queued_rows += len(window.frames)
         self._wake.set()
         return await future
 
@@ -561,6 +594,7 @@ class CodecBatcher:
                                key=lambda job: job.deadline)[:self._batch_size(length)]
                 taken = {id(job) for job in group}
                 self._queue = [job for job in self._queue if id(job) not in taken]
+                self._queued_rows = sum(len(job.window.frames) for job in self._queue)
                 await self._decode_batch(loop, group)
 
     def _batch_size(self, length: int) -> int:
@@ -571,7 +605,9 @@ class CodecBatcher:
 
     async def _decode_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Job]) -> None:
         codes = np.stack([job.window.frames for job in batch])
+        rows = codes.shape[0] * codes.shape[1]
         began = time.perf_counter()
+        self._in_flight = (began, rows)
         try:
             audio = await loop.run_in_executor(self._executor, self.codec.decode, codes)
         except Exception as exc:
@@ -579,8 +615,13 @@ class CodecBatcher:
                 if not job.future.done():
                     job.future.set_exception(exc)
             return
+        finally:
+            self._in_flight = None
         ended = time.perf_counter()
-        self._count(len(batch), codes.shape[0] * codes.shape[1], ended - began,
+        per_row = (ended - began) / rows
+        hold = self.ROW_SECONDS_HOLD
+        self._row_s = per_row if self._row_s is None else hold * self._row_s + (1 - hold) * per_row
+        self._count(len(batch), rows, ended - began,
                     sum(1 for job in batch if job.deadline < ended))
         for row, job in enumerate(batch):
             if job.times is not None:

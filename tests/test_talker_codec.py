@@ -4,6 +4,7 @@ decoding with a random-init SNAC decoder, and batching across requests."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -148,12 +149,14 @@ FRAME_S = SAMPLES_PER_FRAME / 24000
 
 
 def paced_playback(policy: ChunkPolicy, frames: np.ndarray, rtf: float, decode_s: float | Callable[[float], float],
-                   *, paced: bool = True, burst: int = 1, report: bool = False
-                   ) -> tuple[list[DecodeWindow], list[float]]:
+                   *, paced: bool = True, burst: int = 1, report: bool = False,
+                   backlog: Callable[[float], float] | None = None) -> tuple[list[DecodeWindow], list[float]]:
     """A talker at real-time factor `rtf` (its frames arrive `burst` at a time, after a 30 ms prefill) through
     a streamer, each window heard `decode_s` after it is cut (or `decode_s(cut time)`: a load that changes;
-    with `report`, each window's latency is reported to the streamer as the engine does); returns the windows
-    and the stalls (seconds) a player starting at the first chunk hears. Simulated time: no clock is read."""
+    with `report`, each window's latency is reported to the streamer as the engine does; with `backlog`, each
+    push is given `backlog(now)` as the codec's queued work, as the engine gives its batcher's estimate);
+    returns the windows and the stalls (seconds) a player starting at the first chunk hears. Simulated time:
+    no clock is read."""
     latency = decode_s if callable(decode_s) else (lambda _at: decode_s)
     streamer = ChunkStreamer(policy, policy.initial_frames)
     cut: list[tuple[float, DecodeWindow]] = []
@@ -162,7 +165,8 @@ def paced_playback(policy: ChunkPolicy, frames: np.ndarray, rtf: float, decode_s
         now = 0.03 + (at + burst - 1) * rtf * FRAME_S
         chunk = frames[at:at + burst]
         final = at + burst >= len(frames)
-        due = streamer.push(chunk, final=final, now=now if paced else None)
+        due = streamer.push(chunk, final=final, now=now if paced else None,
+                            backlog_s=backlog(now) if backlog is not None else 0.0)
         if report:
             for _ in due:
                 streamer.delivered(latency(now))
@@ -214,6 +218,30 @@ def test_the_margin_follows_the_codecs_measured_delivery_as_load_grows(rtf: floa
     assert sum(w.chunk_frames for w in windows) == 115
 
 
+@pytest.mark.parametrize("rtf", [0.5, 0.6, 0.7])
+def test_the_margin_meets_a_codec_backlog_as_it_forms(rtf: float) -> None:
+    """Many sessions cut together a second in: for half a second the codec's queue holds 250 ms of work
+    ahead of any new window. The held peak of earlier latencies has not seen it, and the listener runs dry;
+    given the backlog with each push (as the engine gives its batcher's estimate), the stream cuts early
+    enough, at about the same codec work."""
+    policy = ChunkPolicy()
+    frames = random_frames(115)
+
+    def backlog(at: float) -> float:
+        return 0.25 if 1.0 <= at < 1.5 else 0.0
+
+    def load(at: float) -> float:
+        return 0.03 + backlog(at)
+
+    held, held_stalls = paced_playback(policy, frames, rtf, load, report=True)
+    windows, stalls = paced_playback(policy, frames, rtf, load, report=True, backlog=backlog)
+    assert held_stalls, "the held peak alone is blind to a backlog that forms at once"
+    assert stalls == []
+    assert len(windows) <= len(held) + 2
+    assert windows[0].chunk_frames == policy.initial_frames
+    assert sum(w.chunk_frames for w in windows) == 115
+
+
 def test_a_fast_talker_gets_larger_chunks_sooner() -> None:
     """With audio in hand, a chunk grows past the ramp as far as the talker can fill it in time: fewer codec
     windows for the same unit, none of them late."""
@@ -253,6 +281,29 @@ def test_chunks_without_left_context_click_at_the_seams(codec: SnacCodec) -> Non
     seam = slice(4 * F - 64, 4 * F + 64)
     assert np.abs(naive[seam] - whole[seam]).max() > 10 * np.abs(
         decode_chunked(codec, stream_windows(ChunkPolicy(), frames, [1] * 16))[seam] - whole[seam]).max()
+
+
+async def test_batcher_estimates_the_work_queued_ahead_of_a_new_window(codec: SnacCodec) -> None:
+    """`backlog_s` is 0 until a batch has been timed and when the queue is empty; with windows queued it
+    is their frames at the measured decode time per window frame, and it falls to 0 once they are done."""
+    batcher = CodecBatcher(codec)
+    batcher.start()
+    try:
+        assert batcher.backlog_s(time.perf_counter()) == 0.0
+        await batcher.decode(DecodeWindow(0, random_frames(5, seed=1), 0, 5 * F, 5))
+        assert batcher.backlog_s(time.perf_counter()) == 0.0
+        windows = [DecodeWindow(0, random_frames(n, seed=n), 0, n * F, n) for n in (4, 4, 5, 6)]
+        pending = asyncio.gather(*(batcher.decode(w) for w in windows))
+        await asyncio.sleep(0)  # the decodes queue; the worker has not taken a batch yet
+        per_frame = batcher.backlog_s(time.perf_counter()) / sum(len(w.frames) for w in windows)
+        assert per_frame > 0
+        await pending
+        assert batcher.backlog_s(time.perf_counter()) == 0.0
+        assert batcher.stats.windows == 5
+    finally:
+        await batcher.close()
+    timed = batcher.stats.decode_s / batcher.stats.frames
+    assert timed / 10 < per_frame < timed * 10, "the estimate is the measured decode time per window frame"
 
 
 async def test_batcher_decodes_concurrent_windows_of_equal_length_together(codec: SnacCodec) -> None:
