@@ -50,6 +50,7 @@ import multiprocessing
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -73,10 +74,12 @@ FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 
 
 class GcPauses:
-    """Every garbage-collector pause in this process (the server's) while installed, in ms."""
+    """Every garbage-collector pause in this process (the server's) while installed: `ms`, and in `full` each
+    pause of the oldest generation as (ms, objects collected, the thread that ran it)."""
 
     def __init__(self) -> None:
         self.ms: list[float] = []
+        self.full: list[tuple[float, int, str]] = []
         self._began = 0.0
 
     def __enter__(self) -> GcPauses:
@@ -89,8 +92,23 @@ class GcPauses:
     def _on(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._began = time.perf_counter()
-        else:
-            self.ms.append(1000 * (time.perf_counter() - self._began))
+            return
+        ms = 1000 * (time.perf_counter() - self._began)
+        self.ms.append(ms)
+        if info["generation"] == 2:
+            self.full.append((ms, info["collected"], threading.current_thread().name))
+
+
+def gen2_census(top: int = 8) -> dict[str, Any]:
+    """What a full collection would scan now: the oldest generation's size (frozen objects excluded) and its
+    `top` most common types. Takes a few ms per 100k objects: call it between rounds, not during one."""
+    objects = gc.get_objects(generation=2)
+    kinds: dict[str, int] = {}
+    for o in objects:
+        name = f"{type(o).__module__}.{type(o).__qualname__}"
+        kinds[name] = kinds.get(name, 0) + 1
+    return {"objects": len(objects), "frozen": gc.get_freeze_count(),
+            "top": sorted(kinds.items(), key=lambda kv: -kv[1])[:top]}
 
 
 # -- clients (their own process) -------------------------------------------------------------------------
@@ -338,6 +356,7 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                         break
                     seed0 = 1000 * (args.rounds * number + round_ + 1)
                     before = engine.stats
+                    census = gen2_census()
                     engine.trace(True)
                     with GcPauses() as pauses:
                         got = clients.submit(run_clients, server.ws_url, conc, TEXT, initial, seed0).result()["streams"]
@@ -369,7 +388,7 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                         "codec_decode_s": a.decode_s - b.decode_s, "codec_max_decode_ms": a.max_decode_ms,
                         "codec_late_windows": a.late - b.late, "codec_max_batch": a.max_batch,
                         "codec_fallbacks": codec.fallbacks, "peak_running": after.steps.peak_running,
-                        "gc_pauses_ms": pauses.ms,
+                        "gc_pauses_ms": pauses.ms, "gc_full": pauses.full, "gen2_before": census,
                     }
                     results["levels"].append(level)
                     rounds.append(level)
@@ -386,7 +405,13 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                                  f"{level['audio_s_per_wall_s']:.1f}",
                                  f"{level['codec_windows'] / max(level['codec_batches'], 1):.1f}",
                                  f"{1000 * level['codec_decode_s'] / max(level['codec_batches'], 1):.1f}",
-                                 f"{len(pauses.ms)} (max {max(pauses.ms, default=0.0):.1f} ms)"])
+                                 f"{len(pauses.ms)} (max {max(pauses.ms, default=0.0):.1f} ms)",
+                                 f"{len(pauses.full)} (max {max((f[0] for f in pauses.full), default=0.0):.1f} ms)",
+                                 f"{census['objects']}"])
+                    for ms, collected, thread in pauses.full:
+                        print(f"  full collection: {ms:.1f} ms, {collected} collected, thread {thread}; "
+                              f"oldest generation before the round: {census['objects']} objects, "
+                              f"{census['frozen']} frozen; most common {census['top'][:4]}", flush=True)
                     stage_rows.append([f"{label} r{round_ + 1}",
                                        *(f"{percentile(split[name], 50):.1f}" for name, _, _ in STAGES),
                                        f"{percentile(level['server_first_audio_ms'], 50):.1f}", f"{frontend:.1f}"])
@@ -411,7 +436,7 @@ def _report(rows: list[list[str]], stage_rows: list[list[str]], summary: list[li
     header = ["conc", "TTFA p50 / p95 ms", "raw talker 1st frame p50 ms", "TTFA / raw", "RTF p50",
               "raw talker RTF p50", "streams with a stall", "total stall s", "stalls at chunk #:streams",
               "audio s per wall s", "chunks per codec batch", "ms per codec batch",
-              "server GC pauses"]
+              "server GC pauses", "of them full", "oldest generation before"]
     print(table(header, rows))
     print()
     print("first-chunk stages, p50 ms:")

@@ -131,3 +131,32 @@ def test_startup_heap_is_frozen_and_every_collection_is_timed() -> None:
     finally:
         server.stop()
     assert len(gc.callbacks) == callbacks
+
+
+def test_full_collections_resume_soon_after_the_startup_heap_is_frozen() -> None:
+    """The freeze must not leave CPython counting the frozen heap as long-lived: a full collection runs once
+    the objects promoted since the last exceed a quarter of that count, so with the startup heap counted
+    the first would wait for (and then scan) a quarter of it in session objects. Here the startup heap
+    holds 400 000 extra objects; with low thresholds, a full collection must come within 20 000 promoted
+    objects."""
+    startup_heap = [[i] for i in range(400_000)]
+    thresholds = gc.get_threshold()
+    full: list[int] = []
+    kept: list[list[int]] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            full.append(len(kept))
+
+    server = ServerThread()
+    try:
+        gc.set_threshold(50, 2, 2)
+        gc.callbacks.append(on_gc)
+        while not full and len(kept) < 100_000:
+            kept.append([len(kept)])
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.set_threshold(*thresholds)
+        server.stop()
+    assert len(startup_heap) == 400_000
+    assert full and full[0] < 20_000, f"first full collection after {full[0] if full else 'none in'} objects"
