@@ -74,12 +74,14 @@ FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 
 
 class GcPauses:
-    """Every garbage-collector pause in this process (the server's) while installed: `ms`, and in `full` each
-    pause of the oldest generation as (ms, objects collected, the thread that ran it)."""
+    """Every garbage-collector pause in this process while installed (the bench installs one in the server's
+    process and one in the clients'): `ms`, and in `full` each pause of the oldest generation as (ms,
+    objects collected, the thread that ran it, its start on `time.perf_counter`'s clock, which both
+    processes share)."""
 
     def __init__(self) -> None:
         self.ms: list[float] = []
-        self.full: list[tuple[float, int, str]] = []
+        self.full: list[tuple[float, int, str, float]] = []
         self._began = 0.0
 
     def __enter__(self) -> GcPauses:
@@ -96,7 +98,7 @@ class GcPauses:
         ms = 1000 * (time.perf_counter() - self._began)
         self.ms.append(ms)
         if info["generation"] == 2:
-            self.full.append((ms, info["collected"], threading.current_thread().name))
+            self.full.append((ms, info["collected"], threading.current_thread().name, self._began))
 
 
 def gen2_census(top: int = 8) -> dict[str, Any]:
@@ -151,8 +153,9 @@ async def _clients(url: str, concurrency: int, text: str, initial: int | None, s
 
     ready = asyncio.Event()
     configured: list[int] = []
-    results = await asyncio.gather(*(one(i) for i in range(concurrency)))
-    return {"streams": results}
+    with GcPauses() as pauses:  # the client's own: a pause here delays arrival stamps as a server's would
+        results = await asyncio.gather(*(one(i) for i in range(concurrency)))
+    return {"streams": results, "gc_pauses_ms": pauses.ms}
 
 
 # -- raw talker (on the server's loop) -------------------------------------------------------------------
@@ -359,7 +362,8 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                     census = gen2_census()
                     engine.trace(True)
                     with GcPauses() as pauses:
-                        got = clients.submit(run_clients, server.ws_url, conc, TEXT, initial, seed0).result()["streams"]
+                        answer = clients.submit(run_clients, server.ws_url, conc, TEXT, initial, seed0).result()
+                    got, client_pauses = answer["streams"], answer["gc_pauses_ms"]
                     trace = engine.trace(False)
                     after = engine.stats
                     raw = server.call(functools.partial(raw_talker, engine, conc, TEXT, f"m{number}r{round_}"),
@@ -389,6 +393,7 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                         "codec_late_windows": a.late - b.late, "codec_max_batch": a.max_batch,
                         "codec_fallbacks": codec.fallbacks, "peak_running": after.steps.peak_running,
                         "gc_pauses_ms": pauses.ms, "gc_full": pauses.full, "gen2_before": census,
+                        "client_gc_pauses_ms": client_pauses,
                     }
                     results["levels"].append(level)
                     rounds.append(level)
@@ -407,9 +412,14 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                                  f"{1000 * level['codec_decode_s'] / max(level['codec_batches'], 1):.1f}",
                                  f"{len(pauses.ms)} (max {max(pauses.ms, default=0.0):.1f} ms)",
                                  f"{len(pauses.full)} (max {max((f[0] for f in pauses.full), default=0.0):.1f} ms)",
-                                 f"{census['objects']}"])
-                    for ms, collected, thread in pauses.full:
+                                 f"{census['objects']}",
+                                 f"{len(client_pauses)} (max {max(client_pauses, default=0.0):.1f} ms)"])
+                    stalled_at = [arrivals[i][0] for st, (_, arrivals, _) in zip(streams, got, strict=True)
+                                  for i in st.stall_chunks]
+                    for ms, collected, thread, began in pauses.full:
+                        near = sum(1 for t in stalled_at if began <= t <= began + 0.5)
                         print(f"  full collection: {ms:.1f} ms, {collected} collected, thread {thread}; "
+                              f"{near} of the round's {len(stalled_at)} late chunks arrived within 0.5 s after it; "
                               f"oldest generation before the round: {census['objects']} objects, "
                               f"{census['frozen']} frozen; most common {census['top'][:4]}", flush=True)
                     stage_rows.append([f"{label} r{round_ + 1}",
@@ -436,7 +446,8 @@ def _report(rows: list[list[str]], stage_rows: list[list[str]], summary: list[li
     header = ["conc", "TTFA p50 / p95 ms", "raw talker 1st frame p50 ms", "TTFA / raw", "RTF p50",
               "raw talker RTF p50", "streams with a stall", "total stall s", "stalls at chunk #:streams",
               "audio s per wall s", "chunks per codec batch", "ms per codec batch",
-              "server GC pauses", "of them full", "oldest generation before"]
+              "server GC pauses", "of them full", "oldest generation before",
+              "client GC pauses"]
     print(table(header, rows))
     print()
     print("first-chunk stages, p50 ms:")
