@@ -393,7 +393,7 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                         "codec_late_windows": a.late - b.late, "codec_max_batch": a.max_batch,
                         "codec_fallbacks": codec.fallbacks, "peak_running": after.steps.peak_running,
                         "gc_pauses_ms": pauses.ms, "gc_full": pauses.full, "gen2_before": census,
-                        "client_gc_pauses_ms": client_pauses,
+                        "client_gc_pauses_ms": client_pauses, "chunks": [len(a) for _, a, _ in got],
                     }
                     results["levels"].append(level)
                     rounds.append(level)
@@ -416,6 +416,14 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                                  f"{len(client_pauses)} (max {max(client_pauses, default=0.0):.1f} ms)"])
                     stalled_at = [arrivals[i][0] for st, (_, arrivals, _) in zip(streams, got, strict=True)
                                   for i in st.stall_chunks]
+                    from_end: dict[int, int] = {}
+                    for st, (_, arrivals, _) in zip(streams, got, strict=True):
+                        for i in st.stall_chunks:
+                            from_end[i - len(arrivals)] = from_end.get(i - len(arrivals), 0) + 1
+                    if from_end:
+                        print(f"  late chunks by place from the stream's end (-1: its last): "
+                              f"{dict(sorted(from_end.items()))}; chunks per stream "
+                              f"{spread([float(len(a)) for _, a, _ in got], '{:.0f}')}", flush=True)
                     for ms, collected, thread, began in pauses.full:
                         near = sum(1 for t in stalled_at if began <= t <= began + 0.5)
                         print(f"  full collection: {ms:.1f} ms, {collected} collected, thread {thread}; "
