@@ -266,6 +266,38 @@ class ChunkStreamer:
         return self._codes
 
 
+def graph_plan(lengths: Sequence[int], max_batch: int, batches: Sequence[int]) -> list[tuple[int, int]]:
+    """Every (batch bucket, window length) shape to capture for windows of `lengths` frames in batches of up
+    to `max_batch`: the buckets of `batches` below `max_batch`, and `max_batch` itself; the largest shape
+    (batch x length) first."""
+    buckets = [b for b in batches if b < max_batch] + [max_batch]
+    return sorted(((b, n) for n in set(lengths) for b in buckets), key=lambda s: (s[0] * s[1], s), reverse=True)
+
+
+def capture_shapes(shapes: Sequence[tuple[int, int]], capture: Callable[[int, int], T],
+                   out_of_memory: type[BaseException]) -> dict[tuple[int, int], T]:
+    """`capture(batch, frames)` for each shape in order, into {shape: graph}. A shape that raises
+    `out_of_memory` is left out and the rest are still tried (smaller shapes may fit); any other error ends
+    the capture, keeping the graphs already made (a decoder that cannot be captured decodes eagerly). Logs
+    what was left out."""
+    graphs: dict[tuple[int, int], T] = {}
+    skipped: list[tuple[int, int]] = []
+    for shape in shapes:
+        try:
+            graphs[shape] = capture(*shape)
+        except out_of_memory:
+            skipped.append(shape)
+        except Exception:
+            log.exception("talker codec: CUDA graph capture failed at (batch, frames) %s; %d of %d shapes "
+                          "captured, the rest decode eagerly", shape, len(graphs), len(shapes))
+            return graphs
+    if skipped:
+        log.warning("talker codec: out of GPU memory for %d of %d CUDA graphs (largest (batch, frames) %s); "
+                    "their batches decode in a larger captured bucket or eagerly. Give the talker a smaller "
+                    "gpu_memory_utilization or a smaller codec_max_batch.", len(skipped), len(shapes), skipped[0])
+    return graphs
+
+
 class SnacCodec:
     """A SNAC decoder loaded from a local folder; `decode` turns a batch of equal-length frame windows
     into audio. Not thread-safe: one caller at a time (`CodecBatcher` guarantees it).
@@ -367,13 +399,19 @@ class SnacCodec:
         """On CUDA with `cuda_graphs`: capture a graph for each window length in `lengths` and every batch
         bucket up to `max_batch`. Measured on the H200: about 1.2 s per (length, bucket) shape, mostly cuDNN
         building its plans for a shape it has not seen (an eager decode pays that too, the first time it meets
-        a shape), so capture only the lengths the schedule produces. Elsewhere: nothing."""
+        a shape), so capture only the lengths the schedule produces. Elsewhere: nothing.
+
+        The largest shapes are captured first (`graph_plan`), so that each later capture can take its memory
+        from blocks the larger ones freed in the shared pool. In the reverse order, the shapes for 128
+        sessions held 21 GB of graph pool and 24 GB of cached blocks on an 80 GB H100 beside vLLM when they
+        ran out of memory. A shape that runs out of memory is skipped and the smaller ones are still tried
+        (`capture_shapes`): its batches decode in a larger captured bucket if there is one, else eagerly."""
         torch = self._torch
         if torch is None:
             raise RuntimeError("talker codec: not loaded (call load() first)")
         if not (self.cuda_graphs and self.device.startswith("cuda")) or not lengths:
             return
-        buckets = [b for b in self.GRAPH_BATCHES if b < max_batch] + [max_batch]
+        shapes = graph_plan(lengths, max_batch, self.GRAPH_BATCHES)
         max_frames = max(lengths)
         with torch.inference_mode():
             codes_in = torch.zeros(max_batch * max_frames * CODES_PER_FRAME, dtype=torch.int64, device=self.device)
@@ -385,40 +423,36 @@ class SnacCodec:
                       torch.zeros(1, dtype=torch.bool, pin_memory=True))
             self._buffers = (codes_in, audio_out, finite, pinned)
             self._pool = torch.cuda.graph_pool_handle()
-            try:
-                self._capture(buckets, sorted(set(lengths)))
-            except Exception:  # a decoder that cannot be captured still decodes, eagerly
-                log.exception("talker codec: CUDA graph capture failed; decoding eagerly")
-                self._graphs.clear()
-                self._graph_batches.clear()
+            side = torch.cuda.Stream(device=self.device)
+            self._graphs = capture_shapes(shapes, lambda batch, frames: self._capture(side, batch, frames),
+                                          torch.OutOfMemoryError)
+            self._graph_batches = {}
+            for batch, frames in sorted(self._graphs):
+                self._graph_batches.setdefault(frames, []).append(batch)
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the warm-ups' eager blocks; the graphs' pool stays
 
-    def _capture(self, buckets: list[int], lengths: list[int]) -> None:
+    def _capture(self, side: Any, batch: int, frames: int) -> Any:
         torch = self._torch
         codes_in, audio_out, finite, _ = self._buffers
-        side = torch.cuda.Stream(device=self.device)
-        for frames in lengths:
-            for batch in buckets:
-                codes = codes_in[:batch * frames * CODES_PER_FRAME].view(batch, frames, CODES_PER_FRAME)
-                out = audio_out[:batch * frames * SAMPLES_PER_FRAME].view(batch, -1)
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    self._forward(codes)  # warm-up: cuDNN plans, allocator
-                torch.cuda.current_stream().wait_stream(side)
-                # capture_begin/end rather than `torch.cuda.graph`, which runs gc and empties the
-                # allocator's cache before every one of the ~240 captures.
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.stream(side):
-                    graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                    try:
-                        audio = self._forward(codes)
-                        out.copy_(audio)
-                        finite.copy_(torch.isfinite(audio).all().reshape(1))
-                    finally:
-                        graph.capture_end()
-                del audio
-                self._graphs[(batch, frames)] = graph
-            self._graph_batches[frames] = buckets
+        codes = codes_in[:batch * frames * CODES_PER_FRAME].view(batch, frames, CODES_PER_FRAME)
+        out = audio_out[:batch * frames * SAMPLES_PER_FRAME].view(batch, -1)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(codes)  # warm-up: cuDNN plans, allocator
+        torch.cuda.current_stream().wait_stream(side)
+        # capture_begin/end rather than `torch.cuda.graph`, which runs gc and empties the
+        # allocator's cache before every one of the ~240 captures.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                audio = self._forward(codes)
+                out.copy_(audio)
+                finite.copy_(torch.isfinite(audio).all().reshape(1))
+            finally:
+                graph.capture_end()
+        return graph
 
     def decode(self, frames: CodeFrames) -> npt.NDArray[np.float32]:
         """Frames of shape (batch, n, 7) -> float32 audio of shape (batch, n * 2048) (a fresh array)."""

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from voicewire.adapters.talker_codec import ChunkPolicy, ChunkStreamer, CodecBatcher, DecodeWindow, SnacCodec
+from voicewire.adapters.talker_codec import (
+    ChunkPolicy,
+    ChunkStreamer,
+    CodecBatcher,
+    DecodeWindow,
+    SnacCodec,
+    capture_shapes,
+    graph_plan,
+)
 from voicewire.adapters.talker_layout import (
     AUDIO_BASE,
     CODEBOOK_SIZE,
@@ -319,3 +327,47 @@ async def test_batcher_decodes_concurrent_windows_of_equal_length_together(codec
     for window, audio in zip([*windows, odd], results, strict=True):
         alone = codec.decode(window.frames[None])[0, window.emit_start:window.emit_end]
         assert np.abs(audio - alone).max() < 1e-5
+
+
+def test_graph_plan_captures_the_largest_shapes_first() -> None:
+    """Every length with every bucket below the largest batch and the largest batch itself, ordered by
+    batch x length descending, so smaller captures can reuse the memory the larger ones freed."""
+    plan = graph_plan([20, 4, 20], 48, SnacCodec.GRAPH_BATCHES)
+    assert sorted(plan) == sorted((b, n) for n in (4, 20) for b in (1, 2, 4, 8, 16, 32, 48))
+    assert plan[0] == (48, 20) and plan[-1] == (1, 4)
+    assert [b * n for b, n in plan] == sorted((b * n for b, n in plan), reverse=True)
+
+
+class OutOfMemory(Exception):
+    """Stands in for `torch.OutOfMemoryError`, which only a CUDA capture raises."""
+
+
+def test_a_graph_out_of_memory_skips_that_shape_and_keeps_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    """Capturing in plan order against a memory limit (a fault-injecting capture: batch x frames above 300
+    does not fit): the shapes that fit are all captured, each tried once, and the ones left out are logged."""
+    plan = graph_plan([10, 20], 64, SnacCodec.GRAPH_BATCHES)
+    tried: list[tuple[int, int]] = []
+
+    def capture(batch: int, frames: int) -> str:
+        tried.append((batch, frames))
+        if batch * frames > 300:
+            raise OutOfMemory
+        return f"graph {batch}x{frames}"
+
+    graphs = capture_shapes(plan, capture, OutOfMemory)
+    assert tried == plan
+    assert set(graphs) == {(b, n) for b, n in plan if b * n <= 300}
+    assert graphs[(16, 10)] == "graph 16x10"
+    assert "out of GPU memory for 5 of 14 CUDA graphs" in caplog.text
+
+
+def test_a_capture_that_fails_otherwise_stops_and_keeps_what_was_captured(caplog: pytest.LogCaptureFixture) -> None:
+    plan = graph_plan([4], 8, SnacCodec.GRAPH_BATCHES)  # (8, 4), (4, 4), (2, 4), (1, 4)
+
+    def capture(batch: int, frames: int) -> int:
+        if batch == 2:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return batch
+
+    assert capture_shapes(plan, capture, OutOfMemory) == {(8, 4): 8, (4, 4): 4}
+    assert "capture failed at (batch, frames) (2, 4); 2 of 4 shapes captured" in caplog.text
