@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -127,7 +128,8 @@ class SessionRuntime:
         self.input_seq = 0
         """Client messages applied (every text or binary frame but `session.ack` and `session.resume`)."""
         self._wake = asyncio.Event()
-        self._runs = UnitRuns(ctx, self.output, self._request_id, "ws", self._wake.set)
+        self._runs = UnitRuns(ctx, self.output, functools.partial(unit_request_id, self.session_id), "ws",
+                              self._wake.set)
         self._conn: Connection | None = None
         self._close: Close | None = None
         self._on_end = on_end
@@ -155,9 +157,6 @@ class SessionRuntime:
     def waiting(self) -> bool:
         """The connection dropped and the session waits for a resume."""
         return self._conn is None and not self._ended
-
-    def _request_id(self, unit: Unit) -> str:
-        return f"{self.session_id}-{unit.utterance_index}-{unit.sentence_index}"
 
     # -- connections ----------------------------------------------------------------------------
 
@@ -780,6 +779,13 @@ async def _close_stalled(ws: web.WebSocketResponse) -> None:
 
 FRAME_HEADER_MAX = 14
 """The most bytes a WebSocket frame header takes."""
+
+
+def unit_request_id(session_id: str, unit: Unit) -> str:
+    """The engine request id of a session's unit: `<session id>-<utterance>-<sentence>`. A function of
+    the id, not a method: `UnitRuns` keeps it for the session's life, and a bound method would tie the
+    session into a reference cycle that only a full garbage collection frees."""
+    return f"{session_id}-{unit.utterance_index}-{unit.sentence_index}"
 
 
 def _wire_size(frames: list[str | bytes]) -> int:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 import re
 import wave
+import weakref
 
 import numpy as np
 import pytest
@@ -171,6 +173,32 @@ async def test_disconnect_frees_engine_work(server: ServerThread) -> None:
     assert stats.started - stats_before.started < 20, "units after the disconnect were never started"
     assert stats.started == stats.completed + stats.cancelled
     assert not server.ctx.sessions or all(not s.busy for s in server.ctx.sessions)  # type: ignore[attr-defined]
+
+
+async def test_a_finished_session_is_freed_without_the_garbage_collector(server: ServerThread) -> None:
+    """A session's objects die by reference counting when its socket closes, not in reference cycles left
+    for a full collection: those pause the event loop, and every stream with it, in proportion to what
+    they free (16-22 thousand objects and 10-28 ms a collection at 128 talker sessions on an H100, when a
+    session's unit runner held a bound method of the session). With the collector off, the session's
+    runtime is gone once the server has let go of it."""
+    gc.disable()
+    try:
+        async with websockets.connect(server.ws_url) as ws:
+            updated = await configure(ws, response_format="pcm")
+            await send(ws, {"type": "input.text", "text": "Hello there."})
+            await send(ws, {"type": "input.done"})
+            await recv_until(ws, "session.done")
+            ours = [s for s in list(server.ctx.sessions) if s.session_id == updated["session_id"]]
+            assert len(ours) == 1
+            runtime = weakref.ref(ours[0])
+            del ours
+        for _ in range(500):
+            if runtime() is None:
+                break
+            await asyncio.sleep(0.01)
+        assert runtime() is None, gc.get_referrers(runtime())
+    finally:
+        gc.enable()
 
 
 async def test_two_sessions_get_their_own_audio_untouched_by_the_others_errors(server: ServerThread) -> None:
