@@ -402,10 +402,11 @@ class SnacCodec:
         a shape), so capture only the lengths the schedule produces. Elsewhere: nothing.
 
         The largest shapes are captured first (`graph_plan`), so that each later capture can take its memory
-        from blocks the larger ones freed in the shared pool. In the reverse order, the shapes for 128
-        sessions held 21 GB of graph pool and 24 GB of cached blocks on an 80 GB H100 beside vLLM when they
-        ran out of memory. A shape that runs out of memory is skipped and the smaller ones are still tried
-        (`capture_shapes`): its batches decode in a larger captured bucket if there is one, else eagerly."""
+        from blocks the larger ones freed in the shared pool. Captured length by length, smallest batch
+        first, the shapes for 128 sessions held 21 GB of graph pool and 24 GB of cached blocks on an 80 GB
+        H100 beside vLLM when they ran out of memory. A shape that runs out of memory is skipped and the
+        smaller ones are still tried (`capture_shapes`): its batches decode in a larger captured bucket if
+        there is one, else eagerly."""
         torch = self._torch
         if torch is None:
             raise RuntimeError("talker codec: not loaded (call load() first)")

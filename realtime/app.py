@@ -185,8 +185,7 @@ def _freeze_heap() -> None:
     The collection after the freeze resets the collector's count of long-lived objects to the unfrozen
     few. CPython starts a full collection only once the objects promoted since the last one exceed a
     quarter of that count; left at the startup heap's size, the first full collection would wait for
-    hundreds of thousands of session objects and scan them all in one pause (200 ms over a 3-million-object
-    heap)."""
+    hundreds of thousands of session objects and then scan them all in one pause."""
     gc.collect()
     gc.freeze()
     gc.collect()
