@@ -451,8 +451,13 @@ class SnacCodec:
                 audio = self._forward(codes)
                 out.copy_(audio)
                 finite.copy_(torch.isfinite(audio).all().reshape(1))
-            finally:
-                graph.capture_end()
+            except BaseException:
+                # end the capture, but let the first error through: an out-of-memory error must stay one
+                # (`capture_shapes` skips only that shape), whatever ending a broken capture raises
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
         return graph
 
     def decode(self, frames: CodeFrames) -> npt.NDArray[np.float32]:
