@@ -274,6 +274,19 @@ def graph_plan(lengths: Sequence[int], max_batch: int, batches: Sequence[int]) -
     return sorted(((b, n) for n in set(lengths) for b in buckets), key=lambda s: (s[0] * s[1], s), reverse=True)
 
 
+def batch_size(length: int, max_batch: int, max_batch_frames: int, captured: Sequence[int]) -> int:
+    """Windows of `length` frames per codec batch: at most `max_batch` and `max_batch_frames` frames (at least
+    one window), rounded down to a batch the codec has a CUDA graph for at this length (`captured`, ascending),
+    so no padded rows are decoded and no batch meets an unseen shape eagerly (cuDNN builds its plans then:
+    up to a second mid-stream on the GPU) when a smaller captured one can take it. With no graph for the
+    length (on the CPU, or none captured), rounded down to a `SnacCodec.GRAPH_BATCHES` bucket or
+    `max_batch`."""
+    fits = min(max_batch, max(1, max_batch_frames // max(length, 1)))
+    if captured:
+        return max((b for b in captured if b <= fits), default=fits)
+    return max((b for b in (*SnacCodec.GRAPH_BATCHES, max_batch) if b <= fits), default=1)
+
+
 def capture_shapes(shapes: Sequence[tuple[int, int]], capture: Callable[[int, int], T],
                    out_of_memory: type[BaseException]) -> dict[tuple[int, int], T]:
     """`capture(batch, frames)` for each shape in order, into {shape: graph}. A shape that raises
@@ -389,6 +402,10 @@ class SnacCodec:
                   torch.stack((codes[..., 2], codes[..., 3], codes[..., 5], codes[..., 6]), -1).reshape(batch, -1)]
         hidden = model.decoder.model[:-3](model.quantizer.from_codes(levels))
         return self._tail(hidden.float())[:, 0, :]
+
+    def graph_buckets(self, length: int) -> tuple[int, ...]:
+        """The batch sizes with a captured graph for windows of `length` frames, ascending (none on the CPU)."""
+        return tuple(self._graph_batches.get(length, ()))
 
     @property
     def graph_lengths(self) -> tuple[int, ...]:
@@ -638,10 +655,7 @@ class CodecBatcher:
                 await self._decode_batch(loop, group)
 
     def _batch_size(self, length: int) -> int:
-        """Windows of `length` frames per batch: at most `max_batch` and `max_batch_frames` frames (at least
-        one window), rounded down to a CUDA graph bucket so no padded rows are decoded."""
-        fits = min(self.max_batch, max(1, self.max_batch_frames // max(length, 1)))
-        return max((b for b in (*SnacCodec.GRAPH_BATCHES, self.max_batch) if b <= fits), default=1)
+        return batch_size(length, self.max_batch, self.max_batch_frames, self.codec.graph_buckets(length))
 
     async def _decode_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Job]) -> None:
         codes = np.stack([job.window.frames for job in batch])

@@ -16,6 +16,7 @@ from voicewire.adapters.talker_codec import (
     CodecBatcher,
     DecodeWindow,
     SnacCodec,
+    batch_size,
     capture_shapes,
     graph_plan,
 )
@@ -371,3 +372,16 @@ def test_a_capture_that_fails_otherwise_stops_and_keeps_what_was_captured(caplog
 
     assert capture_shapes(plan, capture, OutOfMemory) == {(8, 4): 8, (4, 4): 4}
     assert "capture failed at (batch, frames) (2, 4); 2 of 4 shapes captured" in caplog.text
+
+
+def test_batches_stay_within_the_shapes_the_codec_captured() -> None:
+    """A batch never exceeds `max_batch` windows or `max_batch_frames` frames, is rounded down to a captured
+    graph's batch for its length, and with no graph for the length to the standard buckets."""
+    assert batch_size(20, 64, 320, ()) == 16  # 320 frames / 20 = 16 windows
+    assert batch_size(4, 64, 320, ()) == 64
+    assert batch_size(4, 48, 320, ()) == 48  # the batcher's own maximum is a bucket too
+    assert batch_size(4, 64, 320, (1, 2, 4, 8, 16, 32, 64)) == 64
+    # the largest shapes ran out of memory at capture: batches of the captured sizes, not eager ones
+    assert batch_size(4, 64, 320, (1, 2, 4, 8, 16)) == 16
+    assert batch_size(20, 64, 320, (1, 2, 4, 8)) == 8
+    assert batch_size(400, 64, 320, (1, 2)) == 1  # one window, even over the frame cap
