@@ -4,6 +4,7 @@ decoding with a random-init SNAC decoder, and batching across requests."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -346,6 +347,7 @@ class OutOfMemory(Exception):
 def test_a_graph_out_of_memory_skips_that_shape_and_keeps_the_rest(caplog: pytest.LogCaptureFixture) -> None:
     """Capturing in plan order against a memory limit (a fault-injecting capture: batch x frames above 300
     does not fit): the shapes that fit are all captured, each tried once, and the ones left out are logged."""
+    caplog.set_level(logging.WARNING, logger="voicewire.talker")  # whatever level the root logger was left at
     plan = graph_plan([10, 20], 64, SnacCodec.GRAPH_BATCHES)
     tried: list[tuple[int, int]] = []
 
@@ -363,6 +365,7 @@ def test_a_graph_out_of_memory_skips_that_shape_and_keeps_the_rest(caplog: pytes
 
 
 def test_a_capture_that_fails_otherwise_stops_and_keeps_what_was_captured(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="voicewire.talker")
     plan = graph_plan([4], 8, SnacCodec.GRAPH_BATCHES)  # (8, 4), (4, 4), (2, 4), (1, 4)
 
     def capture(batch: int, frames: int) -> int:
