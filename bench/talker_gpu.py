@@ -414,11 +414,11 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                                  f"{len(pauses.full)} (max {max((f[0] for f in pauses.full), default=0.0):.1f} ms)",
                                  f"{census['objects']}",
                                  f"{len(client_pauses)} (max {max(client_pauses, default=0.0):.1f} ms)"])
-                    stalled_at = [arrivals[i][0] for st, (_, arrivals, _) in zip(streams, got, strict=True)
-                                  for i in st.stall_chunks]
+                    stalled_at: list[float] = []
                     from_end: dict[int, int] = {}
                     for st, (_, arrivals, _) in zip(streams, got, strict=True):
                         for i in st.stall_chunks:
+                            stalled_at.append(arrivals[i][0])
                             from_end[i - len(arrivals)] = from_end.get(i - len(arrivals), 0) + 1
                     if from_end:
                         print(f"  late chunks by place from the stream's end (-1: its last): "
