@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,11 +109,38 @@ class Cluster(Loopback):
 
     def states(self) -> dict[str, str]:
         """Each server's state as HAProxy sees it (`UP`, `DOWN`, `DOWN 1/2`, ...)."""
+        return {name: row["status"] for name, row in self.stats().items()}
+
+    def stats(self) -> dict[str, dict[str, str]]:
+        """Each server's row of HAProxy's statistics (CSV columns by name: `status`, `check_status`, ...)."""
         csv = httpx.get(f"http://127.0.0.1:{self.stats_port}/stats;csv", timeout=5).text
-        rows = [line.split(",") for line in csv.splitlines() if line and not line.startswith("#")]
-        header = csv.splitlines()[0].lstrip("# ").split(",")
-        column = header.index("status")
-        return {row[1]: row[column] for row in rows if row[0] == "voicewire" and row[1] in NAMES}
+        lines = csv.splitlines()
+        header = lines[0].lstrip("# ").split(",")
+        rows = [dict(zip(header, line.split(","), strict=False)) for line in lines[1:] if line]
+        return {row["svname"]: row for row in rows if row["pxname"] == "voicewire" and row["svname"] in NAMES}
+
+    def explain(self) -> str:
+        """Why a server is not UP, for a failure message: HAProxy's view of its last check, the server's own
+        answer to `/ready`, and its log's last lines."""
+        try:
+            seen = self.stats()
+        except (httpx.HTTPError, OSError) as e:
+            seen = {}
+            lines = [f"HAProxy's statistics: {e!r}"]
+        else:
+            lines = []
+        for name, backend in self.backends.items():
+            row = seen.get(name, {})
+            try:
+                answer = httpx.get(f"{backend.http_url}/ready", timeout=10)
+                ready = f"{answer.status_code} {answer.text[:300]}"
+            except (httpx.HTTPError, OSError) as e:
+                ready = repr(e)
+            tail = backend.log.read_text(errors="replace").splitlines()[-8:] if backend.log.exists() else []
+            lines += [f"{name}: {row.get('status')} (last check {row.get('check_status')} "
+                      f"{row.get('check_code')} in {row.get('check_duration')} ms, {row.get('last_chk')!r}); "
+                      f"/ready now: {ready}", *[f"    {line}" for line in tail]]
+        return "\n".join(lines)
 
     async def all_up(self, timeout: float = 120.0) -> None:
         """Start any server that is not running, then wait (at most `timeout` s) until HAProxy routes to all
@@ -128,7 +155,7 @@ class Cluster(Loopback):
             assert not dead, f"a server exited while starting; see {', '.join(dead)} in {self.root}"
             return set(self.states().values()) == {"UP"}
 
-        await until(up, "every server UP in HAProxy", timeout)
+        await until(up, "every server UP in HAProxy", timeout, self.explain)
 
     def stop(self) -> None:
         self.haproxy.terminate()
@@ -137,18 +164,22 @@ class Cluster(Loopback):
             backend.stop()
 
 
-async def until(predicate: object, what: str, timeout: float = 120.0) -> None:
+async def until(predicate: Callable[[], bool], what: str, timeout: float = 120.0,
+                explain: Callable[[], str] | None = None) -> None:
+    """Wait (at most `timeout` s) until `predicate()` holds, an HTTP or socket error counting as not yet;
+    on timeout an AssertionError names `what`, with `explain()`'s account when given."""
     try:
         async with asyncio.timeout(timeout):
             while True:
                 try:
-                    if predicate():  # type: ignore[operator]
+                    if predicate():
                         return
                 except (httpx.HTTPError, OSError):
                     pass
                 await asyncio.sleep(0.1)
     except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
+        detail = "" if explain is None else f"\n{explain()}"
+        raise AssertionError(f"timed out waiting for {what}{detail}") from None
 
 
 @pytest.fixture(scope="module")
