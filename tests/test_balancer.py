@@ -144,7 +144,7 @@ class Cluster(Loopback):
 
     async def all_up(self, timeout: float = 120.0) -> None:
         """Start any server that is not running, then wait (at most `timeout` s) until HAProxy routes to all
-        three."""
+        three, each UP after a health check of its own."""
         assert self.haproxy.poll() is None, "haproxy exited; see haproxy.log"
         for backend in self.backends.values():
             if not backend.running:
@@ -153,7 +153,11 @@ class Cluster(Loopback):
         def up() -> bool:
             dead = [backend.log.name for backend in self.backends.values() if not backend.running]
             assert not dead, f"a server exited while starting; see {', '.join(dead)} in {self.root}"
-            return set(self.states().values()) == {"UP"}
+            # UP after a check that passed: before its first check HAProxy shows a server UP (check status
+            # INI), so a cluster read that early would look ready while its servers are still starting.
+            rows = self.stats().values()
+            return len(rows) == len(NAMES) and all(
+                row["status"] == "UP" and row["check_status"].lstrip("* ") == "L7OK" for row in rows)
 
         await until(up, "every server UP in HAProxy", timeout, self.explain)
 
