@@ -122,13 +122,12 @@ class Cluster(Loopback):
     def explain(self) -> str:
         """Why a server is not UP, for a failure message: HAProxy's view of its last check, the server's own
         answer to `/ready`, and its log's last lines."""
+        lines: list[str] = []
+        seen: dict[str, dict[str, str]] = {}
         try:
             seen = self.stats()
         except (httpx.HTTPError, OSError) as e:
-            seen = {}
-            lines = [f"HAProxy's statistics: {e!r}"]
-        else:
-            lines = []
+            lines.append(f"HAProxy's statistics: {e!r}")
         for name, backend in self.backends.items():
             row = seen.get(name, {})
             try:
