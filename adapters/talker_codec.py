@@ -95,8 +95,8 @@ class ChunkPolicy:
     """Paced streams with measured delivery (`ChunkStreamer.delivered`): the margin is at least the recent
     peak of cut -> decoded latency plus this (the hand-back and the socket), and at least the codec's backlog
     given with a push (`ChunkStreamer.push`) plus this (the window's own decode, the hand-back, the socket).
-    80 ms: on the H200 at 128 sessions a codec batch took 21-24 ms at the median but up to 40 ms, and with
-    50 ms one such batch left windows of 1-10 streams 4-12 ms late in 2 rounds of 5 (docs/benchmarks.md)."""
+    80 ms: on the H200 at 128 sessions a codec batch took 21-24 ms at the median but up to 40 ms, which left
+    10 ms of a 50 ms slack for the rest, and 1-10 streams stalled 4-12 ms in 2 rounds of 5 (docs/benchmarks.md)."""
     delivery_hold: float = 0.9
     """Per delivered chunk, the factor by which the held peak delivery latency decays toward newer ones."""
 
