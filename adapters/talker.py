@@ -36,7 +36,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -227,7 +227,10 @@ class TalkerEngine:
         recorded since the last call. Per request id, `time.perf_counter()` seconds: `call` (synthesize
         began), `first_output` (vLLM's first streamed output), `first_frame` (7 codes complete), `queued`
         (first window handed to the codec batcher), `decode_start` / `decode_end` (its batch on the codec
-        thread), `yielded` (first audio piece handed to the server); and the request's `seed`."""
+        thread), `yielded` (first audio piece handed to the server); and the request's `seed`. Each later chunk
+        decoded after its deadline (the listener's clock) adds `late<n>_cut`, `late<n>_deadline`,
+        `late<n>_start`, `late<n>_end` (its batch) and `late<n>_backlog` (the codec's estimated backlog at the
+        cut, seconds), n being the chunk's 0-based index in the unit (`late_windows` reads them back)."""
         recorded, self._trace = self._trace or {}, ({} if enabled else None)
         return recorded
 
@@ -377,26 +380,29 @@ class TalkerEngine:
         # due when the audio sent before it (`sent` samples) has played; the codec batcher serves the most
         # urgent window first.
         played_from: float | None = None
-        sent = 0
+        sent = chunks = 0
         with counted_outcome(lambda outcome: count(outcome, 1)):
             try:
                 async with contextlib.aclosing(due_windows()) as windows:
                     async for window in windows:
                         cut = time.perf_counter()
-                        times: list[float] | None = None
+                        times: list[float] | None = None if trace is None else []
                         if played_from is None:
                             deadline = cut
                             if trace is not None:
                                 trace["first_frame"] = trace["queued"] = deadline
-                                times = []
                         else:
                             deadline = played_from + sent / SAMPLE_RATE
+                        backlog = self._batcher.backlog_s(cut) if trace is not None else 0.0
                         audio = await self._batcher.decode(window, deadline, times)
                         streamer.delivered(time.perf_counter() - cut)
                         if played_from is None:
                             played_from = time.perf_counter()
                             if trace is not None and times:
                                 trace.update(decode_start=times[0], decode_end=times[1], yielded=played_from)
+                        elif trace is not None and times and times[1] > deadline:
+                            _trace_late(trace, chunks, cut, deadline, backlog, times)
+                        chunks += 1
                         sent += len(audio)
                         count("chunks", 1)
                         yield AudioPiece(audio, SAMPLE_RATE)
@@ -487,6 +493,28 @@ class TalkerEngine:
         """Add to one counter of `TalkerStats` (a dict update: this runs for every streamed output)."""
         counts = self._counts
         counts[name] = counts.get(name, 0) + value
+
+
+def _trace_late(trace: dict[str, float], index: int, cut: float, deadline: float, backlog: float,
+                times: list[float]) -> None:
+    trace.update({f"late{index}_cut": cut, f"late{index}_deadline": deadline, f"late{index}_start": times[0],
+                  f"late{index}_end": times[1], f"late{index}_backlog": backlog})
+
+
+def late_windows(trace: Mapping[str, float]) -> list[dict[str, float]]:
+    """The late chunks one request's trace recorded (`TalkerEngine.trace`), in chunk order: per chunk its
+    `chunk` index and, in ms, the time it had from its cut to its deadline (`budget_ms`), its wait in the
+    codec's queue (`queue_ms`), its batch's decode (`decode_ms`), how late it was (`late_ms`) and the codec's
+    estimated backlog when it was cut (`backlog_ms`)."""
+    indices = sorted(int(key[4:-4]) for key in trace if key.startswith("late") and key.endswith("_cut"))
+    out = []
+    for n in indices:
+        cut, deadline = trace[f"late{n}_cut"], trace[f"late{n}_deadline"]
+        start, end = trace[f"late{n}_start"], trace[f"late{n}_end"]
+        out.append({"chunk": float(n), "budget_ms": 1000 * (deadline - cut), "queue_ms": 1000 * (start - cut),
+                    "decode_ms": 1000 * (end - start), "late_ms": 1000 * (end - deadline),
+                    "backlog_ms": 1000 * trace[f"late{n}_backlog"]})
+    return out
 
 
 def _warm_codes(frames: int) -> Any:

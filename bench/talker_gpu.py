@@ -17,7 +17,10 @@ Where the time goes (`--trace`, on by default): the engine records each unit's f
 first vLLM output, first frame, codec batch start / end, piece yielded; `TalkerEngine.trace`), paired with the
 client's send and first-byte times through the session's seed, so TTFA splits into: client -> engine call,
 talker prefill + first 7 tokens, codec queue wait, codec decode, hand-back, server -> client. Stalls are
-reported with the index of the chunk that arrived late. Beside the stages, per round: the ms the server's
+reported with the index of the chunk that arrived late, and the chunks after the first that the server's
+codec decoded past their deadline with where their time went (`talker.late_windows`: the time from the cut
+to the deadline, the codec queue wait, the batch's decode, the backlog estimated at the cut; one line per
+round, each chunk in `talker_gpu.json` under `late_windows`). Beside the stages, per round: the ms the server's
 loop spends handing the level's C requests to vLLM back to back (`TalkerEngine.frontend_seconds`: prompt,
 sampling parameters, vLLM's `add_request`; aborted at once), the part of a burst's "client -> engine call"
 that is vLLM's own frontend rather than the serving path. `--frontend-only` measures that alone, without
@@ -57,7 +60,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from voicewire.adapters.talker import TalkerConfig, TalkerEngine
+from voicewire.adapters.talker import TalkerConfig, TalkerEngine, late_windows
 from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLE_RATE, SAMPLES_PER_FRAME
 from voicewire.adapters.talker_testing import LLAMA_3_2_3B, SNAC_24KHZ, TINY_LLAMA, TINY_SNAC, write_snac, write_talker
 from voicewire.protocol.engine import SynthesisRequest
@@ -99,6 +102,23 @@ class GcPauses:
         self.ms.append(ms)
         if info["generation"] == 2:
             self.full.append((ms, info["collected"], threading.current_thread().name, self._began))
+
+
+def late_summary(late: list[dict[str, float]]) -> str:
+    """One line on the chunks after the first that the server's codec decoded past their deadline
+    (`talker.late_windows` of every stream): where in the unit, the time each had from its cut, and where it
+    went."""
+    at: dict[int, int] = {}
+    for w in late:
+        at[int(w["chunk"])] = at.get(int(w["chunk"]), 0) + 1
+
+    def figure(key: str) -> str:
+        return spread([w[key] for w in late], "{:.1f}")
+
+    return (f"server-late chunks after the first: {len(late)}, at chunk (0-based) {dict(sorted(at.items()))}; "
+            f"ms, median [min-max]: cut -> deadline {figure('budget_ms')}, codec queue wait {figure('queue_ms')}, "
+            f"batch decode {figure('decode_ms')}, late by {figure('late_ms')}, "
+            f"backlog estimated at the cut {figure('backlog_ms')}")
 
 
 def gen2_census(top: int = 8) -> dict[str, Any]:
@@ -383,6 +403,7 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                     first_sent = min(sent for sent, _, _ in got)
                     last_byte = max(arrivals[-1][0] for _, arrivals, _ in got)
                     split = stages(got, trace, seed0)
+                    late = [dict(w, seed=t["seed"]) for t in trace.values() for w in late_windows(t)]
                     stall_at: dict[int, int] = {}
                     for st in streams:
                         for index in st.stall_chunks:
@@ -403,6 +424,7 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                         "codec_fallbacks": codec.fallbacks, "peak_running": after.steps.peak_running,
                         "gc_pauses_ms": pauses.ms, "gc_full": pauses.full, "gen2_before": census,
                         "client_gc_pauses_ms": client_pauses, "chunks": [len(a) for _, a, _ in got],
+                        "late_windows": late,
                     }
                     results["levels"].append(level)
                     rounds.append(level)
@@ -429,6 +451,8 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                         for i in st.stall_chunks:
                             stalled_at.append(arrivals[i][0])
                             from_end[i - len(arrivals)] = from_end.get(i - len(arrivals), 0) + 1
+                    if late:
+                        print(f"  {late_summary(late)}", flush=True)
                     if from_end:
                         print(f"  late chunks by place from the stream's end (-1: its last): "
                               f"{dict(sorted(from_end.items()))}; chunks per stream "

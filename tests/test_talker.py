@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import websockets
-from voicewire.adapters.talker import CPU_STEP_TOKENS, TalkerConfig, TalkerEngine, load_voices
+from voicewire.adapters.talker import CPU_STEP_TOKENS, TalkerConfig, TalkerEngine, late_windows, load_voices
 from voicewire.adapters.talker_codec import ChunkPolicy
 from voicewire.adapters.talker_layout import CODES_PER_FRAME, SAMPLES_PER_FRAME
 from voicewire.adapters.talker_testing import write_snac, write_talker
@@ -180,6 +180,36 @@ async def test_concurrent_sessions_share_batched_talker_steps_and_codec_batches(
     assert after.steps.peak_running >= sessions, "one vLLM step ran every session's request"
     assert after.steps.batched_steps > before.steps.batched_steps
     assert after.codec.max_batch >= 2, "chunks of different sessions were decoded in one batch"
+
+
+async def test_the_trace_records_every_late_chunk_the_codec_counted(talker_server: ServerThread) -> None:
+    """The benchmarks' trace (`TalkerEngine.trace`): each unit's first-chunk stages, and each later chunk the
+    codec decoded past its deadline with where its time went (`late_windows`), exactly the windows the codec's
+    own late count adds beyond the first chunks (which are due when cut)."""
+    sessions, text = 3, "Three late listeners."
+    eng = engine(talker_server)
+    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_engine_idle(talker_server), talker_server.loop))
+    before = eng.stats.codec.late
+    eng.trace(True)
+
+    async def speak(index: int) -> None:
+        async with websockets.connect(talker_server.ws_url) as ws:
+            await configure(ws, voice="tara", split_granularity="none", response_format="pcm", stream_audio=True,
+                            seed=index)
+            await send(ws, {"type": "input.text", "text": text})
+            await send(ws, {"type": "input.done"})
+            await recv_until(ws, "session.done")
+
+    try:
+        await asyncio.gather(*(speak(i) for i in range(sessions)))
+    finally:
+        trace = eng.trace(False)
+    assert len(trace) == sessions and all("yielded" in t and "decode_end" in t for t in trace.values()), trace
+    late = [window for t in trace.values() for window in late_windows(t)]
+    assert eng.stats.codec.late - before == sessions + len(late)
+    for window in late:
+        assert window["chunk"] >= 1 and window["late_ms"] > 0 and window["queue_ms"] >= 0, window
+        assert window["late_ms"] == pytest.approx(window["queue_ms"] + window["decode_ms"] - window["budget_ms"])
 
 
 async def test_voice_prompt_prefix_is_cached_per_voice_and_never_shared(talker_server: ServerThread) -> None:
