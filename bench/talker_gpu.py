@@ -55,6 +55,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -108,9 +109,7 @@ def late_summary(late: list[dict[str, float]]) -> str:
     """One line on the chunks after the first that the server's codec decoded past their deadline
     (`talker.late_windows` of every stream): where in the unit, the time each had from its cut, and where it
     went."""
-    at: dict[int, int] = {}
-    for w in late:
-        at[int(w["chunk"])] = at.get(int(w["chunk"]), 0) + 1
+    at = Counter(int(w["chunk"]) for w in late)
 
     def figure(key: str) -> str:
         return spread([w[key] for w in late], "{:.1f}")
