@@ -63,11 +63,16 @@ from typing import Any, Final, cast
 
 import numpy as np
 from voicewire.adapters import omni_compat
+from voicewire.adapters.omni_codec import QWEN3_LAYOUT, QWEN3_POLICY, Qwen3Codec
+from voicewire.adapters.omni_frames import EXTRA_KEY as FRAMES_EXTRA_KEY
+from voicewire.adapters.omni_frames import FRAMES_KEY, FrameRouter
+from voicewire.adapters.omni_frames import PROCESSOR as FRAMES_PROCESSOR
 from voicewire.adapters.omni_pacing import BOARD_KEY, LEAD_PER_STREAM_S, LEAD_S, DeliveryBoard
 from voicewire.adapters.omni_pacing import EXTRA_KEY as PACING_KEY
 from voicewire.adapters.omni_pacing import PROCESSOR as PACING_PROCESSOR
 from voicewire.adapters.omni_pacing import STREAMS_KEY as PACING_STREAMS_KEY
 from voicewire.adapters.registry import QWEN3_TTS
+from voicewire.adapters.talker_codec import ChunkStreamer, CodecBatcher, DecodeWindow
 from voicewire.protocol.engine import (
     NO_TOKENS,
     AudioPiece,
@@ -122,6 +127,9 @@ class OmniConfig:
     codec_chunk_ramp: tuple[int, ...] = ()
     served_model_names: tuple[str, ...] = ()
     """More ids clients may name the model by (vllm's `--served-model-name`); see `model_ids`."""
+    own_codec: bool = False
+    """Decode the talker's frames in voicewire's own batched codec path (`omni_frames`, `omni_codec`) instead
+    of vllm-omni's code2wav stage; chunks then follow the talker engine's paced schedule (`QWEN3_POLICY`)."""
 
     def __post_init__(self) -> None:
         if self.codec_chunk_ramp and (len(self.codec_chunk_ramp) < 2 or min(self.codec_chunk_ramp) < 1):
@@ -129,6 +137,8 @@ class OmniConfig:
                              "each at least 1 frame (or none: no ramp)")
         if self.codec_chunk_ramp and self.pacing is not None:
             raise ValueError("omni: chunks are either paced or cut by a fixed ramp (codec_chunk_ramp), not both")
+        if self.own_codec and (self.pacing is not None or self.codec_chunk_ramp):
+            raise ValueError("omni: with voicewire's own codec, chunks are cut by its schedule: no pacing or ramp")
         if self.pacing is not None and min(self.pacing) < 0:
             raise ValueError(f"omni: the pacing lead {self.pacing} cannot be negative")
 
@@ -247,6 +257,9 @@ class OmniEngine:
             raise FileNotFoundError(f"omni: stage config {config.stage_config} does not exist")
         self.model = Qwen3TTSModel.read(folder)
         m = self.model
+        if config.own_codec and m.task_type == "Base":
+            raise ValueError("omni: voicewire's own codec does not decode cloned voices yet (their reference "
+                             "codes stay in vllm-omni's pipeline): serve a Base model with --omni-codec pipeline")
         voices = m.speakers or (DEFAULT_VOICE,)
         declared = QWEN3_TTS[m.task_type]
         fields = set(declared.fields)
@@ -266,6 +279,8 @@ class OmniEngine:
         self._deploy_file: str | None = None
         self._references = CachedReferences(0)
         self._board: DeliveryBoard | None = None
+        self._router: FrameRouter | None = None
+        self._batcher: CodecBatcher | None = None
 
     @property
     def info(self) -> EngineInfo:
@@ -295,12 +310,14 @@ class OmniEngine:
         self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         if self.config.pacing is not None:  # one slot per unit in flight, with room for aborted ones ending
             self._board = DeliveryBoard.create(2 * self.config.max_concurrency + 16)
+        if self.config.own_codec:
+            await self._start_codec()
         self._deploy_file = self._deploy_config()
         deploy = omni_compat.resolved_deploy_config(
             self._deploy_file or omni_compat.default_deploy_config("qwen3_tts"))
         self._references = CachedReferences(references_kept(deploy))
-        if self.config.pacing is not None:
-            omni_compat.register_paced_pipeline(PACING_PROCESSOR)
+        if self.config.pacing is not None or self.config.own_codec:
+            omni_compat.register_paced_pipeline(FRAMES_PROCESSOR if self.config.own_codec else PACING_PROCESSOR)
         try:
             self._omni = await asyncio.to_thread(omni_compat.create_async_omni, self.config.model,
                                                  self._deploy_file, init_timeout_s=self.config.init_timeout_s)
@@ -313,9 +330,27 @@ class OmniEngine:
         omni, self._omni = self._omni, None
         deploy, self._deploy_file = self._deploy_file, None
         board, self._board = self._board, None
+        router, self._router = self._router, None
+        batcher, self._batcher = self._batcher, None
         await shut_down(omni, deploy, self.config.stage_config)
         if board is not None:
             board.close()
+        if batcher is not None:
+            await batcher.close()
+        if router is not None:
+            router.close()
+
+    async def _start_codec(self) -> None:
+        """Voicewire's own codec path: the frame channel, the decoder (loaded on the codec thread, with its
+        CUDA graphs on a GPU) and its batcher."""
+        self._router = await FrameRouter.open()
+        codec = Qwen3Codec(self.config.model, random_weights=self.config.random_weights)
+        # every unit's window in one batch: Qwen3's windows carry up to 72 frames of left context
+        batcher = self._batcher = CodecBatcher(codec, max_batch=self.config.max_concurrency,
+                                               max_batch_frames=self.config.max_concurrency * CODEC_GRAPH_LENGTHS[-1])
+        batcher.start()
+        await batcher.on_codec_thread(codec.load)
+        await batcher.on_codec_thread(codec.prepare, CODEC_GRAPH_LENGTHS, self.config.max_concurrency)
 
     def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         return lost_with_pipeline(self.failure, self._synthesize(request))
@@ -413,6 +448,10 @@ class OmniEngine:
             raise ValueError(f"omni: speed {request.speed} is outside the native range 1.0..1.0")
         params = self.parameters(request)
         prompt = self._prompt(params)
+        if self._router is not None and self._batcher is not None:
+            async for piece in self._synthesize_own(request, params, prompt, self._router, self._batcher):
+                yield piece
+            return
         if self.config.pacing is not None:  # the load the pacer plans this unit's first chunk for
             prompt["additional_information"][PACING_STREAMS_KEY] = [omni_compat.requests_in_flight(omni) + 1]
         board, ticket = self._board, None
@@ -448,6 +487,61 @@ class OmniEngine:
         if key and "ref_audio" in params:  # finished: the talker now holds this reference's artifacts
             self._references.add((key[0], bool(params["x_vector_only_mode"][0])))
 
+    async def _synthesize_own(self, request: SynthesisRequest, params: dict[str, list[Any]],
+                              prompt: dict[str, Any], router: FrameRouter,
+                              batcher: CodecBatcher) -> AsyncGenerator[AudioPiece, None]:
+        """One unit with voicewire's own codec: vllm-omni's talker sends each frame over the frame channel
+        (`omni_frames`); the frames are cut into chunks by the paced schedule and decoded in the batcher, most
+        urgent first, each chunk due when the audio before it has played (as the talker engine does). The
+        pipeline's own audio (one frame, decoded at the request's end) is dropped."""
+        ticket, arrivals = router.claim()
+        prompt["additional_information"][FRAMES_KEY] = [ticket]
+        sampling = self._sampling_params(request, params)
+        rate = self.model.sample_rate
+        initial = request.initial_codec_chunk_frames or QWEN3_POLICY.initial_frames
+        streamer = ChunkStreamer(QWEN3_POLICY, min(initial, QWEN3_POLICY.steady_frames), layout=QWEN3_LAYOUT,
+                                 window_lengths=batcher.codec.graph_lengths)
+        first = TokenCounts(self._text_tokens(request), omni_compat.qwen3_tts_reference_tokens(params))
+
+        async def drive() -> None:
+            async with contextlib.aclosing(audio_chunks(self._omni, prompt, request.request_id, sampling)) as chunks:
+                async for _ in chunks:
+                    pass
+
+        async def due_windows() -> AsyncGenerator[DecodeWindow]:
+            """The unit's chunks to decode, in order, as the talker's frames make them due."""
+            while True:
+                frames, ended = await _next_frames(arrivals, request_task)
+                now = time.perf_counter()
+                for window in streamer.push(frames, final=ended, now=now, backlog_s=batcher.backlog_s(now)):
+                    yield window
+                if ended:
+                    break
+            for window in streamer.finish():
+                yield window
+
+        request_task = asyncio.ensure_future(drive())
+        played_from: float | None = None
+        sent = 0
+        try:
+            async with contextlib.aclosing(due_windows()) as windows:
+                async for window in windows:
+                    cut = time.perf_counter()
+                    deadline = cut if played_from is None else played_from + sent / rate
+                    audio = await batcher.decode(window, deadline)
+                    streamer.delivered(time.perf_counter() - cut)
+                    if played_from is None:
+                        played_from = time.perf_counter()
+                    sent += len(audio)
+                    yield AudioPiece(audio, rate, tokens=TokenCounts(first.text, first.audio, window.chunk_frames))
+                    first = NO_TOKENS
+            await request_task  # the pipeline's end (its errors) before the unit's
+        finally:
+            router.release(ticket)
+            if not request_task.done():
+                request_task.cancel()
+                await asyncio.gather(request_task, return_exceptions=True)
+
     def _text_tokens(self, request: SynthesisRequest) -> int:
         """The unit's text and instructions in the model's text tokenizer, as vllm-omni's usage counts them."""
         tokenizer = self._tokenizer
@@ -463,7 +557,7 @@ class OmniEngine:
         `load_format: dummy` on every stage."""
         path = self.config.stage_config
         ramp, pacing = self.config.codec_chunk_ramp, self.config.pacing
-        if not ramp and pacing is None and not self.config.random_weights:
+        if not ramp and pacing is None and not self.config.random_weights and self._router is None:
             return path
         if path is None and self.config.random_weights:
             raise ValueError("omni: random-weight mode needs --stage-config (e.g. adapters/omni_configs/"
@@ -474,6 +568,10 @@ class OmniEngine:
             _set_chunk_ramp(deploy, ramp, source)
         if pacing is not None:
             paced_deploy(deploy, 1 / self.model.frame_rate, pacing, source, self._board)
+        if self._router is not None:
+            for extra in _codec_chunk_connectors(deploy, source, "voicewire's own codec").values():
+                extra[FRAMES_EXTRA_KEY] = {"socket": self._router.path}
+            deploy["pipeline"] = omni_compat.PACED_PIPELINE
         if self.config.random_weights:
             for stage in deploy.get("stages", []):
                 stage["load_format"] = "dummy"
@@ -489,6 +587,53 @@ class OmniEngine:
             x_vector_only_mode=True if base else None)
         async for _ in self._synthesize(request):
             pass
+
+
+CODEC_GRAPH_LENGTHS: Final = (1, 2, 4, 8, 16, 32, 64, 97)
+"""Window lengths (frames) voicewire's own codec captures CUDA graphs for on a GPU: a window takes more left
+context, where the unit has it, to reach the next one (`ChunkStreamer.window_lengths`); 97 = 72 frames of
+context and the largest chunk."""
+
+FINAL_WAIT_S: Final = 1.0
+"""How long a unit waits for its frame channel's end after vllm-omni's request has finished."""
+
+
+async def _next_frames(arrivals: asyncio.Queue[tuple[int, Any]],
+                       request: asyncio.Future[None]) -> tuple[Any, bool]:
+    """The frames waiting on a unit's frame channel (at least one, or its end), as an array of shape (n, 16),
+    and whether the unit's frames ended. Raises what the pipeline's request raised; a request that finished
+    without the channel's end (lost datagrams: not expected on one host) ends the frames after
+    `FINAL_WAIT_S`."""
+    rows: list[Any] = []
+    ended = False
+    while not rows and not ended:
+        if arrivals.empty():
+            getter: asyncio.Future[Any] = asyncio.ensure_future(arrivals.get())
+            done, _ = await asyncio.wait((getter, cast(asyncio.Future[Any], request)),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                request.result()  # its error, if any
+                try:
+                    item = await asyncio.wait_for(arrivals.get(), FINAL_WAIT_S)
+                except TimeoutError:
+                    log.warning("omni: a unit's frame channel did not end within %.1f s of its request", FINAL_WAIT_S)
+                    return np.zeros((0, QWEN3_LAYOUT.codes_per_frame), np.int64), True
+            else:
+                item = getter.result()
+        else:
+            item = arrivals.get_nowait()
+        while True:
+            _, codes = item
+            if codes is None:
+                ended = True
+                break
+            rows.append(codes)
+            if arrivals.empty():
+                break
+            item = arrivals.get_nowait()
+    frames = np.stack(rows) if rows else np.zeros((0, QWEN3_LAYOUT.codes_per_frame), np.int64)
+    return frames, ended
 
 
 def pipeline_down(omni: Any) -> str | None:

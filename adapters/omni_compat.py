@@ -243,6 +243,27 @@ def set_chunk_ramp(transfer_manager: Any, ramp: list[int]) -> None:
     transfer_manager._ramp_parsed = ramp
 
 
+def last_codec_frame(multimodal_output: Any) -> list[int] | None:
+    """The codec frame one talker step made (the last row of its `codes.audio`), as vllm-omni's processor takes
+    it: None when the step made none (no codes; a row marked invalid by `meta.codec_frame_valid`, 0.30.0; an
+    all-zero row where there is no mark, 0.26.0)."""
+    if not isinstance(multimodal_output, Mapping):
+        return None
+    codes = multimodal_output.get("codes", {}).get("audio")
+    if getattr(codes, "numel", None) is None or codes.numel() == 0:
+        return None
+    frame = codes[-1] if codes.ndim == 2 else codes
+    meta = multimodal_output.get("meta", {})
+    mark = meta.get("codec_frame_valid") if isinstance(meta, Mapping) else None
+    if mark is None:
+        valid = bool(frame.any().item())
+    elif hasattr(mark, "reshape"):
+        valid = bool(mark.reshape(-1)[-1].item())
+    else:
+        valid = bool(mark)
+    return [int(code) for code in frame.reshape(-1).tolist()] if valid else None
+
+
 def request_number(request: Any, key: str) -> int | None:
     """The one integer a talker-stage request carries under `key` in its `additional_information` (as
     vllm-omni reads its per-request `initial_codec_chunk_frames`), or None."""

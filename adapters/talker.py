@@ -345,7 +345,7 @@ class TalkerEngine:
             raise ValueError(f"talker: speed {request.speed} is outside the native range 1.0..1.0")
         prompt = self._prompt(request)
         initial = request.initial_codec_chunk_frames or self.config.chunks.initial_frames
-        streamer = ChunkStreamer(self.config.chunks, initial, self._codec.graph_lengths)
+        streamer = ChunkStreamer(self.config.chunks, initial, window_lengths=self._codec.graph_lengths)
         parser = FrameParser(any_token_is_code=self.config.random_weights)
         count = self._count
         count("started", 1)

@@ -72,7 +72,24 @@ from voicewire.protocol.engine import FloatAudio
 
 T = TypeVar("T")
 log = logging.getLogger("voicewire.talker")
-_FRAME_SECONDS = SAMPLES_PER_FRAME / SAMPLE_RATE
+
+
+@dataclass(frozen=True, slots=True)
+class FrameLayout:
+    """A codec's frame: `codes_per_frame` int64 codes in, `samples_per_frame` samples out at `sample_rate`."""
+
+    codes_per_frame: int
+    samples_per_frame: int
+    sample_rate: int
+
+    @property
+    def frame_s(self) -> float:
+        """Seconds of audio in one frame."""
+        return self.samples_per_frame / self.sample_rate
+
+
+SNAC_LAYOUT = FrameLayout(CODES_PER_FRAME, SAMPLES_PER_FRAME, SAMPLE_RATE)
+"""Orpheus' SNAC 24 kHz frames (`talker_layout`): 7 codes, 2048 samples (85.3 ms)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +156,8 @@ class ChunkStreamer:
 
     policy: ChunkPolicy
     initial_frames: int
+    layout: FrameLayout = SNAC_LAYOUT
+    """The codec's frame: codes per frame and the audio each frame decodes to."""
     window_lengths: tuple[int, ...] = ()
     """Preferred window lengths (the codec's CUDA graph shapes, ascending): a window shorter than one of them
     takes more left context, when the unit has the frames, to reach the next one (more context changes no
@@ -223,7 +242,7 @@ class ChunkStreamer:
         """Paced: seconds of audio cut so far that the listener has not played yet at `now` (None unpaced)."""
         if now is None or self._played_from is None:
             return None
-        return self._played_from + self._next * _FRAME_SECONDS - now
+        return self._played_from + self._next * self.layout.frame_s - now
 
     def _running_dry(self, now: float | None) -> bool:
         left = self._buffer_left(now)
@@ -231,7 +250,7 @@ class ChunkStreamer:
             return False
         if self._gap_s is None:
             return True  # until a second arrival shows the talker's pace, any wait may be too long
-        if self._frame_s is not None and self._frame_s >= _FRAME_SECONDS:
+        if self._frame_s is not None and self._frame_s >= self.layout.frame_s:
             return False  # slower than real time: a gap comes anyway; chunks of the ramp's size cost less codec work
         return left <= self._margin() + self._gap_s
 
@@ -256,14 +275,15 @@ class ChunkStreamer:
         frames = self._all()[first:stop]
         if pad:
             frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
-        window = DecodeWindow(first, frames, (start - first) * SAMPLES_PER_FRAME, (end - first) * SAMPLES_PER_FRAME,
-                              end - start)
+        spf = self.layout.samples_per_frame
+        window = DecodeWindow(first, frames, (start - first) * spf, (end - first) * spf, end - start)
         self._next = end
         return window
 
     def _all(self) -> CodeFrames:
         if self._codes is None:
-            self._codes = np.concatenate(self._frames) if self._frames else np.zeros((0, CODES_PER_FRAME), np.int64)
+            self._codes = (np.concatenate(self._frames) if self._frames
+                           else np.zeros((0, self.layout.codes_per_frame), np.int64))
             self._frames = [self._codes]
         return self._codes
 
@@ -281,12 +301,12 @@ def batch_size(length: int, max_batch: int, max_batch_frames: int, captured: Seq
     one window), rounded down to a batch the codec has a CUDA graph for at this length (`captured`, ascending),
     so no padded rows are decoded and no batch meets an unseen shape eagerly (cuDNN builds its plans then:
     up to a second mid-stream on the GPU) when a smaller captured one can take it. With no graph for the
-    length (on the CPU, or none captured), rounded down to a `SnacCodec.GRAPH_BATCHES` bucket or
+    length (on the CPU, or none captured), rounded down to a `GraphedCodec.GRAPH_BATCHES` bucket or
     `max_batch`."""
     fits = min(max_batch, max(1, max_batch_frames // max(length, 1)))
     if captured:
         return max((b for b in captured if b <= fits), default=fits)
-    return max((b for b in (*SnacCodec.GRAPH_BATCHES, max_batch) if b <= fits), default=1)
+    return max((b for b in (*GraphedCodec.GRAPH_BATCHES, max_batch) if b <= fits), default=1)
 
 
 def capture_shapes(shapes: Sequence[tuple[int, int]], capture: Callable[[int, int], T],
@@ -313,35 +333,29 @@ def capture_shapes(shapes: Sequence[tuple[int, int]], capture: Callable[[int, in
     return graphs
 
 
-class SnacCodec:
-    """A SNAC decoder loaded from a local folder; `decode` turns a batch of equal-length frame windows
-    into audio. Not thread-safe: one caller at a time (`CodecBatcher` guarantees it).
+class GraphedCodec:
+    """A decoder that turns a batch of equal-length frame windows into audio, on a GPU through CUDA graphs
+    captured per window length and batch bucket. Subclasses load the model (`load`: set `_model`,
+    `_torch`, `device`, `dtype`, `_stream` on CUDA, and `_model32` where a reduced-precision batch whose audio
+    is not finite should be decoded again in float32) and map codes to audio (`_forward`). Not thread-safe:
+    one caller at a time (`CodecBatcher` guarantees it).
 
-    On a GPU (see `docs/engines.md`, "Codec on the GPU"): the decoder runs in `dtype` (`"auto"`: float16 on
-    CUDA, float32 elsewhere) with its last layers (snake, output conv, tanh) in float32, and `prepare()`
-    captures one CUDA graph per window length and batch bucket (`GRAPH_BATCHES`), so a decode is three
-    launches (codes in, graph, audio out) and one stream sync instead of ~300 kernels and ~1200 Python
+    `prepare()` captures one CUDA graph per window length and batch bucket (`GRAPH_BATCHES`), so a decode is
+    three launches (codes in, graph, audio out) and one stream sync instead of hundreds of kernels and Python
     dispatches that each take and give back the GIL. A batch is padded with code-0 rows up to its bucket;
-    shapes without a graph (longer windows) run eagerly. A reduced-precision batch whose audio is not finite
-    is decoded again in float32 (`fallbacks` counts them).
-    """
+    shapes without a graph (longer windows, or on the CPU) run eagerly. `fallbacks` counts batches decoded
+    again in float32."""
 
     GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+    layout: FrameLayout = SNAC_LAYOUT
 
-    def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "auto",
-                 cuda_graphs: bool = True) -> None:
-        self.model_dir = Path(model_dir)
-        for name in ("config.json", "pytorch_model.bin"):
-            if not (self.model_dir / name).is_file():
-                raise FileNotFoundError(f"talker codec: {self.model_dir / name} is missing (--codec-model must be a "
-                                        "SNAC folder: config.json + pytorch_model.bin)")
+    def __init__(self, device: str = "auto", dtype: str = "auto", cuda_graphs: bool = True) -> None:
         self.device = device
         self.dtype = dtype
         self.cuda_graphs = cuda_graphs
         self.fallbacks = 0
         self._model: Any = None
         self._model32: Any = None
-        self._tail: Any = None
         self._torch: Any = None
         self._stream: Any = None
         self._graphs: dict[tuple[int, int], Any] = {}
@@ -349,61 +363,28 @@ class SnacCodec:
         self._pool: Any = None
         self._buffers: Any = None
 
+    def load(self) -> None:
+        """Build the model and move it to the device (subclasses)."""
+        raise NotImplementedError
+
+    def _forward(self, codes: Any, model: Any = None) -> Any:
+        """Codes (batch, n, codes per frame) int64 on the device -> float32 audio (batch, n * samples per frame);
+        no host sync (subclasses; `model` defaults to `_model`)."""
+        raise NotImplementedError
+
+    def _resolve(self, torch: Any) -> tuple[str, str]:
+        """`device` and `dtype` with "auto" resolved: CUDA when there is one; float16 on CUDA, float32 elsewhere."""
+        device = "cuda" if self.device == "auto" and torch.cuda.is_available() else self.device
+        device = "cpu" if device == "auto" else device
+        dtype = ("float16" if device.startswith("cuda") else "float32") if self.dtype == "auto" else self.dtype
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"codec: dtype {dtype!r} is not float32, float16 or bfloat16")
+        return device, dtype
+
     @property
     def graph_shapes(self) -> int:
         """How many (batch bucket, window length) CUDA graphs `prepare()` captured."""
         return len(self._graphs)
-
-    def load(self) -> None:
-        """Build the model from `config.json`, load `pytorch_model.bin`, fold weight norm, move it to the
-        device. Reads only the folder (no hub access)."""
-        import torch
-        from snac import SNAC
-
-        config_path = self.model_dir / "config.json"
-        weights_path = self.model_dir / "pytorch_model.bin"
-        config = json.loads(config_path.read_text())
-        if config.get("sampling_rate", 24000) != 24000 or list(config.get("vq_strides", [])) != [4, 2, 1]:
-            raise ValueError("talker codec: expected a 24 kHz SNAC with vq_strides [4, 2, 1] (Orpheus' codec)")
-        model = SNAC(**config)
-        state = torch.load(weights_path, map_location="cpu", weights_only=True)
-        model.load_state_dict(state)
-        for module in model.modules():
-            if torch.nn.utils.parametrize.is_parametrized(module, "weight"):
-                torch.nn.utils.parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
-            if type(module).__name__ == "Snake1d":
-                # SNAC's snake is a TorchScript function; the same arithmetic eagerly, so that CUDA graph
-                # capture never meets the JIT's profiling runs or a fusion compiled mid-capture.
-                module.forward = types.MethodType(_snake_forward, module)
-        model.encoder = None  # decoding only
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = self.dtype
-        if dtype == "auto":
-            dtype = "float16" if device.startswith("cuda") else "float32"
-        if dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"talker codec: dtype {dtype!r} is not float32, float16 or bfloat16")
-        self.device, self.dtype = device, dtype
-        model = model.to(device).eval()
-        tail = copy.deepcopy(model.decoder.model[-3:])  # snake, output conv, tanh: kept in float32
-        if dtype != "float32":
-            self._model32 = copy.deepcopy(model)
-            model = model.to(getattr(torch, dtype))
-        self._model, self._tail, self._torch = model, tail, cast(Any, torch)
-        if device.startswith("cuda"):
-            self._stream = self._torch.cuda.Stream(device=device)
-
-    def _forward(self, codes: Any, model: Any = None) -> Any:
-        """Codes (batch, n, 7) int64 on the device -> float32 audio (batch, n * 2048); no host sync."""
-        torch = self._torch
-        model = model if model is not None else self._model
-        batch = codes.shape[0]
-        levels = [codes[..., 0],
-                  torch.stack((codes[..., 1], codes[..., 4]), -1).reshape(batch, -1),
-                  torch.stack((codes[..., 2], codes[..., 3], codes[..., 5], codes[..., 6]), -1).reshape(batch, -1)]
-        hidden = model.decoder.model[:-3](model.quantizer.from_codes(levels))
-        return self._tail(hidden.float())[:, 0, :]
 
     def graph_buckets(self, length: int) -> tuple[int, ...]:
         """The batch sizes with a captured graph for windows of `length` frames, ascending (none on the CPU)."""
@@ -416,26 +397,27 @@ class SnacCodec:
 
     def prepare(self, lengths: Sequence[int], max_batch: int) -> None:
         """On CUDA with `cuda_graphs`: capture a graph for each window length in `lengths` and every batch
-        bucket up to `max_batch`. Measured on the H200: about 1.2 s per (length, bucket) shape, mostly cuDNN
-        building its plans for a shape it has not seen (an eager decode pays that too, the first time it meets
-        a shape), so capture only the lengths the schedule produces. Elsewhere: nothing.
+        bucket up to `max_batch`. Measured on the H200 with SNAC: about 1.2 s per (length, bucket) shape,
+        mostly cuDNN building its plans for a shape it has not seen (an eager decode pays that too, the first
+        time it meets a shape), so capture only the lengths the schedule produces. Elsewhere: nothing.
 
         The largest shapes are captured first (`graph_plan`), so that each later capture can take its memory
         from blocks the larger ones freed in the shared pool. Captured length by length, smallest batch
-        first, the shapes for 128 sessions held 21 GB of graph pool and 24 GB of cached blocks on an 80 GB
+        first, the SNAC shapes for 128 sessions held 21 GB of graph pool and 24 GB of cached blocks on an 80 GB
         H100 beside vLLM when they ran out of memory. A shape that runs out of memory is skipped and the
         smaller ones are still tried (`capture_shapes`): its batches decode in a larger captured bucket if
         there is one, else eagerly."""
         torch = self._torch
         if torch is None:
-            raise RuntimeError("talker codec: not loaded (call load() first)")
+            raise RuntimeError("codec: not loaded (call load() first)")
         if not (self.cuda_graphs and self.device.startswith("cuda")) or not lengths:
             return
         shapes = graph_plan(lengths, max_batch, self.GRAPH_BATCHES)
         max_frames = max(lengths)
+        codes_per_frame, samples_per_frame = self.layout.codes_per_frame, self.layout.samples_per_frame
         with torch.inference_mode():
-            codes_in = torch.zeros(max_batch * max_frames * CODES_PER_FRAME, dtype=torch.int64, device=self.device)
-            audio_out = torch.zeros(max_batch * max_frames * SAMPLES_PER_FRAME, dtype=torch.float32,
+            codes_in = torch.zeros(max_batch * max_frames * codes_per_frame, dtype=torch.int64, device=self.device)
+            audio_out = torch.zeros(max_batch * max_frames * samples_per_frame, dtype=torch.float32,
                                     device=self.device)
             finite = torch.ones(1, dtype=torch.bool, device=self.device)
             pinned = (torch.zeros(codes_in.numel(), dtype=torch.int64, pin_memory=True),
@@ -455,8 +437,9 @@ class SnacCodec:
     def _capture(self, side: Any, batch: int, frames: int) -> Any:
         torch = self._torch
         codes_in, audio_out, finite, _ = self._buffers
-        codes = codes_in[:batch * frames * CODES_PER_FRAME].view(batch, frames, CODES_PER_FRAME)
-        out = audio_out[:batch * frames * SAMPLES_PER_FRAME].view(batch, -1)
+        codes_per_frame = self.layout.codes_per_frame
+        codes = codes_in[:batch * frames * codes_per_frame].view(batch, frames, codes_per_frame)
+        out = audio_out[:batch * frames * self.layout.samples_per_frame].view(batch, -1)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._forward(codes)  # warm-up: cuDNN plans, allocator
@@ -480,10 +463,11 @@ class SnacCodec:
         return graph
 
     def decode(self, frames: CodeFrames) -> npt.NDArray[np.float32]:
-        """Frames of shape (batch, n, 7) -> float32 audio of shape (batch, n * 2048) (a fresh array)."""
+        """Frames of shape (batch, n, codes per frame) -> float32 audio of shape (batch, n * samples per frame)
+        (a fresh array)."""
         torch = self._torch
         if torch is None:
-            raise RuntimeError("talker codec: not loaded (call load() first)")
+            raise RuntimeError("codec: not loaded (call load() first)")
         batch, length = frames.shape[0], frames.shape[1]
         buckets = self._graph_batches.get(length)
         bucket = next((b for b in buckets if b >= batch), None) if buckets else None
@@ -501,11 +485,12 @@ class SnacCodec:
         torch = self._torch
         batch, length = frames.shape[0], frames.shape[1]
         codes_in, audio_out, finite, (pin_codes, pin_audio, pin_finite) = self._buffers
-        staged = pin_codes[:bucket * length * CODES_PER_FRAME].numpy().reshape(bucket, length, CODES_PER_FRAME)
+        codes_per_frame = self.layout.codes_per_frame
+        staged = pin_codes[:bucket * length * codes_per_frame].numpy().reshape(bucket, length, codes_per_frame)
         staged[:batch] = frames
         staged[batch:] = 0
-        count = bucket * length * CODES_PER_FRAME
-        samples = batch * length * SAMPLES_PER_FRAME
+        count = bucket * length * codes_per_frame
+        samples = batch * length * self.layout.samples_per_frame
         with torch.cuda.stream(self._stream):
             codes_in[:count].copy_(pin_codes[:count], non_blocking=True)
             self._graphs[(bucket, length)].replay()
@@ -522,6 +507,67 @@ class SnacCodec:
             audio = self._forward(codes, model)
             finite = bool(torch.isfinite(audio).all()) if self.dtype != "float32" else True
             return cast(npt.NDArray[np.float32], audio.cpu().numpy()), finite
+
+
+class SnacCodec(GraphedCodec):
+    """A SNAC decoder loaded from a local folder (`GraphedCodec`). On a GPU (see `docs/engines.md`, "Codec on
+    the GPU"): the decoder runs in `dtype` (`"auto"`: float16 on CUDA, float32 elsewhere) with its last layers
+    (snake, output conv, tanh) in float32; a reduced-precision batch whose audio is not finite is decoded
+    again in float32."""
+
+    def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "auto",
+                 cuda_graphs: bool = True) -> None:
+        self.model_dir = Path(model_dir)
+        for name in ("config.json", "pytorch_model.bin"):
+            if not (self.model_dir / name).is_file():
+                raise FileNotFoundError(f"talker codec: {self.model_dir / name} is missing (--codec-model must be a "
+                                        "SNAC folder: config.json + pytorch_model.bin)")
+        super().__init__(device, dtype, cuda_graphs)
+        self._tail: Any = None
+
+    def load(self) -> None:
+        """Build the model from `config.json`, load `pytorch_model.bin`, fold weight norm, move it to the
+        device. Reads only the folder (no hub access)."""
+        import torch
+        from snac import SNAC
+
+        config_path = self.model_dir / "config.json"
+        weights_path = self.model_dir / "pytorch_model.bin"
+        config = json.loads(config_path.read_text())
+        if config.get("sampling_rate", 24000) != 24000 or list(config.get("vq_strides", [])) != [4, 2, 1]:
+            raise ValueError("talker codec: expected a 24 kHz SNAC with vq_strides [4, 2, 1] (Orpheus' codec)")
+        model = SNAC(**config)
+        state = torch.load(weights_path, map_location="cpu", weights_only=True)
+        model.load_state_dict(state)
+        for module in model.modules():
+            if torch.nn.utils.parametrize.is_parametrized(module, "weight"):
+                torch.nn.utils.parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+            if type(module).__name__ == "Snake1d":
+                # SNAC's snake is a TorchScript function; the same arithmetic eagerly, so that CUDA graph
+                # capture never meets the JIT's profiling runs or a fusion compiled mid-capture.
+                module.forward = types.MethodType(_snake_forward, module)
+        model.encoder = None  # decoding only
+        device, dtype = self._resolve(torch)
+        self.device, self.dtype = device, dtype
+        model = model.to(device).eval()
+        tail = copy.deepcopy(model.decoder.model[-3:])  # snake, output conv, tanh: kept in float32
+        if dtype != "float32":
+            self._model32 = copy.deepcopy(model)
+            model = model.to(getattr(torch, dtype))
+        self._model, self._tail, self._torch = model, tail, cast(Any, torch)
+        if device.startswith("cuda"):
+            self._stream = self._torch.cuda.Stream(device=device)
+
+    def _forward(self, codes: Any, model: Any = None) -> Any:
+        """Codes (batch, n, 7) int64 on the device -> float32 audio (batch, n * 2048); no host sync."""
+        torch = self._torch
+        model = model if model is not None else self._model
+        batch = codes.shape[0]
+        levels = [codes[..., 0],
+                  torch.stack((codes[..., 1], codes[..., 4]), -1).reshape(batch, -1),
+                  torch.stack((codes[..., 2], codes[..., 3], codes[..., 5], codes[..., 6]), -1).reshape(batch, -1)]
+        hidden = model.decoder.model[:-3](model.quantizer.from_codes(levels))
+        return self._tail(hidden.float())[:, 0, :]
 
 
 def _snake_forward(self: Any, x: Any) -> Any:
@@ -573,7 +619,7 @@ class CodecBatcher:
     ROW_SECONDS_HOLD = 0.8
     """Per batch, the weight the decode time per window frame measured so far keeps against the newest one."""
 
-    def __init__(self, codec: SnacCodec, max_batch: int = 64, max_batch_frames: int = 320) -> None:
+    def __init__(self, codec: GraphedCodec, max_batch: int = 64, max_batch_frames: int = 320) -> None:
         self.codec = codec
         self.max_batch = max_batch
         self.max_batch_frames = max_batch_frames

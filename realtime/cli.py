@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     omni.add_argument("--omni-pace-lead-ms", type=_pace_lead, default=None, metavar="MS,MS_PER_STREAM",
                       help="paced chunks: the time from cutting a chunk to its audio at the player, in ms plus ms "
                            "per stream the talker runs (default 55,1.5)")
+    omni.add_argument("--omni-codec", choices=("pipeline", "voicewire"), default="pipeline",
+                      help="Qwen3-TTS: decode the talker's frames in vllm-omni's code2wav stage (pipeline, default) "
+                           "or in voicewire's own batched codec path, chunks cut by its paced schedule "
+                           "(voicewire; docs/engines.md)")
     omni.add_argument("--omni-random-weights", action="store_true",
                       help="test and benchmark mode: random weights (load_format dummy), forced lengths")
     serve.add_argument("--log-level", default="INFO", type=str.upper,
@@ -142,13 +146,17 @@ def omni_engine(args: argparse.Namespace) -> Engine | None:
     from voicewire.adapters.omni import DEFAULT_PACING, OmniConfig
 
     ramp = args.omni_chunk_ramp
+    own_codec = args.omni_codec == "voicewire"
+    if own_codec and (ramp is not None or args.omni_pace_lead_ms is not None):
+        raise ValueError("--omni-codec voicewire cuts chunks by its own schedule: drop --omni-chunk-ramp and "
+                         "--omni-pace-lead-ms")
     if ramp is not None and args.omni_pace_lead_ms is not None:
         raise ValueError("--omni-pace-lead-ms applies to paced chunks, not to --omni-chunk-ramp "
                          f"{'none' if not ramp else ','.join(map(str, ramp))}")
-    pacing = (args.omni_pace_lead_ms or DEFAULT_PACING) if ramp is None else None
+    pacing = (args.omni_pace_lead_ms or DEFAULT_PACING) if ramp is None and not own_codec else None
     config = OmniConfig(model=args.model, stage_config=args.stage_config, max_concurrency=args.omni_max_concurrency,
                         random_weights=args.omni_random_weights, pacing=pacing, codec_chunk_ramp=ramp or (),
-                        served_model_names=tuple(args.served_model_name))
+                        served_model_names=tuple(args.served_model_name), own_codec=own_codec)
     return create_engine("omni", omni=config)
 
 

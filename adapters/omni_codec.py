@@ -1,0 +1,113 @@
+"""Qwen3-TTS' 12 Hz decoder in voicewire's own batched codec path (`talker_codec.GraphedCodec`).
+
+vllm-omni's code2wav stage decodes each chunk a request hands it; it batches only windows of exactly equal
+length, and its CUDA graphs are for batch 1 unless configured (docs/benchmarks.md, the H200 duel of
+2026-12-06). `Qwen3Codec` decodes the same frames with the same decoder (vllm-omni's
+`Qwen3TTSTokenizerV2Decoder`, built from the model folder's `speech_tokenizer/` config and weights) in
+`CodecBatcher`'s batches: every stream's windows of one length in one call, through CUDA graphs per (batch
+bucket, window length) on a GPU, padded to the bucket.
+
+The decoder is causal (causal convolutions, a sliding-window transformer), so a chunk decoded with enough
+frames of left context equals the whole sequence's decode at the same place: no lookahead, no stand-in
+frames (`QWEN3_POLICY`). vllm-omni streams with `codec_left_context_frames` 72 (the decoder's sliding
+window); the tiny test decoder is exact to 1e-7 from 8 frames.
+
+A frame is 16 codes (one per quantizer, the talker's codebook 0 first) and 1920 samples at 24 kHz (80 ms).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, cast
+
+from voicewire.adapters.talker_codec import ChunkPolicy, FrameLayout, GraphedCodec
+
+QWEN3_LAYOUT = FrameLayout(codes_per_frame=16, samples_per_frame=1920, sample_rate=24000)
+"""Qwen3-TTS 12 Hz frames: 16 codes, 1920 samples at 24 kHz (80 ms)."""
+
+RANDOM_SCALE = 1e-3
+RANDOM_SEED = 1234
+"""Random-weight mode: every decoder parameter uniform in +-`RANDOM_SCALE`, seeded (the kind of weights vLLM's
+`load_format: dummy` gives the pipeline's stages; the decoder's own initialisation leaves layers at zero and
+decodes silence)."""
+
+QWEN3_POLICY = ChunkPolicy(initial_frames=1, steady_frames=25, left_context_frames=72, lookahead_frames=0,
+                           pad_frames=0)
+"""Chunks for the causal decoder: left context only (72 frames, vllm-omni's streaming window), the largest
+chunk vllm-omni's own (25 frames)."""
+
+
+class Qwen3Codec(GraphedCodec):
+    """vllm-omni's Qwen3-TTS 12 Hz decoder loaded from a model folder's `speech_tokenizer/` (`config.json`
+    and the `decoder.*` tensors of its `*.safetensors`), decoding windows of shape (batch, n, 16) to
+    (batch, n * 1920) float32 audio (`GraphedCodec.decode`). `random_weights`: seeded random weights
+    (`RANDOM_SCALE`) instead of reading any (the random-weight test and benchmark models ship none).
+    Runs in float32 by default, as vllm-omni's code2wav stage does. Needs vllm-omni installed."""
+
+    layout = QWEN3_LAYOUT
+
+    def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "float32",
+                 cuda_graphs: bool = True, random_weights: bool = False) -> None:
+        self.folder = Path(model_dir) / "speech_tokenizer"
+        if not (self.folder / "config.json").is_file():
+            raise FileNotFoundError(f"omni codec: {self.folder / 'config.json'} is missing (a Qwen3-TTS 12 Hz model "
+                                    "folder has its speech tokenizer there)")
+        self.random_weights = random_weights
+        super().__init__(device, dtype, cuda_graphs)
+
+    def load(self) -> None:
+        """Build the decoder from the config, load its weights (unless `random_weights`), move it to the device.
+        Reads only the folder (no hub access). Raises ValueError for a tokenizer other than 12 Hz with 16
+        quantizers and 1920x upsampling, or weights that do not match the decoder."""
+        import torch
+        from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import (
+            Qwen3TTSTokenizerV2Config,
+        )
+        from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (
+            Qwen3TTSTokenizerV2Decoder,
+        )
+
+        raw = json.loads((self.folder / "config.json").read_text())
+        if raw.get("model_type") != "qwen3_tts_tokenizer_12hz":
+            raise ValueError(f"omni codec: {self.folder} is a {raw.get('model_type')!r} tokenizer, not the 12 Hz one")
+        config = Qwen3TTSTokenizerV2Config.from_pretrained(str(self.folder))
+        decoder = Qwen3TTSTokenizerV2Decoder._from_config(config.decoder_config)
+        if (int(config.decoder_config.num_quantizers) != QWEN3_LAYOUT.codes_per_frame
+                or int(decoder.total_upsample) != QWEN3_LAYOUT.samples_per_frame
+                or int(config.output_sample_rate) != QWEN3_LAYOUT.sample_rate):
+            raise ValueError("omni codec: expected 16 quantizers, 1920 samples a frame and 24 kHz audio")
+        if self.random_weights:
+            generator = torch.Generator().manual_seed(RANDOM_SEED)
+            with torch.no_grad():
+                for parameter in decoder.parameters():
+                    parameter.uniform_(-RANDOM_SCALE, RANDOM_SCALE, generator=generator)
+        else:
+            decoder.load_state_dict(self._decoder_weights(), strict=True)
+        device, dtype = self._resolve(torch)
+        self.device, self.dtype = device, dtype
+        decoder = decoder.to(device=device, dtype=getattr(torch, dtype)).eval()
+        if hasattr(decoder, "precompute_snake_caches"):
+            decoder.precompute_snake_caches()
+        self._model, self._torch = decoder, cast(Any, torch)
+        if device.startswith("cuda"):
+            self._stream = self._torch.cuda.Stream(device=device)
+
+    def _decoder_weights(self) -> dict[str, Any]:
+        """The `decoder.*` tensors of the folder's safetensors files, with the prefix taken off."""
+        from safetensors.torch import load_file
+
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"omni codec: no *.safetensors in {self.folder} (or pass random_weights)")
+        state: dict[str, Any] = {}
+        for path in files:
+            for name, tensor in load_file(str(path)).items():
+                if name.startswith("decoder."):
+                    state[name.removeprefix("decoder.")] = tensor
+        return state
+
+    def _forward(self, codes: Any, model: Any = None) -> Any:
+        """Codes (batch, n, 16) int64 on the device -> float32 audio (batch, n * 1920); no host sync."""
+        model = model if model is not None else self._model
+        return model(codes.transpose(1, 2))[:, 0, :].float()

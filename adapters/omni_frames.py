@@ -1,0 +1,190 @@
+"""The talker's codec frames straight to the server, for decoding in voicewire's own codec path
+(`omni_codec.Qwen3Codec`, `talker_codec.CodecBatcher`) instead of vllm-omni's code2wav stage.
+
+vllm-omni calls the talker stage's processor once per talker step per request, in the talker stage's
+process. `talker2code2wav_own` (named by the deploy YAML like the pacer, `omni_compat.register_paced_pipeline`)
+sends each step's frame (16 codes) to the server over a UNIX datagram socket (`FrameRouter`, whose path the
+codec connector's `extra` carries under `EXTRA_KEY`), tagged with the request's ticket (`FRAMES_KEY` in its
+`additional_information`) and the frame's index; after the last step, a final datagram with the frame count.
+It hands vllm-omni's own processor the request's first frame only and no chunk before the end, so the
+code2wav stage decodes one frame per request, at its end (the request then finishes as vllm-omni's pipeline
+expects; the server drops that audio).
+
+Loopback UNIX datagrams arrive whole and in order (the sender blocks while the receiver's buffer is full),
+so the server sees each request's frames as the talker made them. A datagram for a ticket the server no
+longer holds (an aborted unit, or a last step vllm-omni processes twice) is dropped.
+
+Wire format: `<QIB` (ticket, frame index, flags: 1 = final, no codes follow) then the codes as int16.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+import struct
+import tempfile
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+from voicewire.adapters import omni_compat
+
+FRAMES_KEY: Final = "voicewire_frames"
+"""The `additional_information` key of a request's ticket on the frame channel."""
+
+EXTRA_KEY: Final = "voicewire_frames"
+"""The codec connector's `extra` key holding `{"socket": path}`."""
+
+PROCESSOR: Final = f"{__name__}.talker2code2wav_own"
+"""What the deploy YAML names as the talker stage's processor."""
+
+FINAL: Final = 1
+_HEADER: Final = struct.Struct("<QIB")
+
+Frame = npt.NDArray[np.int64]
+"""One frame's codes, shape (codes per frame,)."""
+
+
+def encode(ticket: int, index: int, codes: Sequence[int] | None) -> bytes:
+    """A datagram: frame `index` of `ticket`'s request with its `codes`, or (codes None) the request's end
+    after `index` frames."""
+    if codes is None:
+        return _HEADER.pack(ticket, index, FINAL)
+    return _HEADER.pack(ticket, index, 0) + array("h", codes).tobytes()
+
+
+def decode(data: bytes) -> tuple[int, int, Frame | None]:
+    """(ticket, index, codes or None for the end) of a datagram. Raises ValueError for a malformed one."""
+    if len(data) < _HEADER.size:
+        raise ValueError("omni frames: short datagram")
+    ticket, index, flags = _HEADER.unpack_from(data)
+    if flags & FINAL:
+        return ticket, index, None
+    codes = np.frombuffer(data, np.int16, offset=_HEADER.size).astype(np.int64)
+    return ticket, index, codes
+
+
+class FrameRouter(asyncio.DatagramProtocol):
+    """The server's end: a UNIX datagram socket (in /dev/shm where there is one; `close` removes it) whose
+    datagrams go, by ticket, to the queue of the unit that claimed it. Each queue gets (index, codes) per
+    frame and (count, None) at the request's end."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.dropped = 0
+        """Datagrams for no claimed ticket, or malformed."""
+        self.history: dict[int, list[Frame]] | None = None
+        """When set to a dict: every frame routed is also kept there, by ticket (for traces and tests)."""
+        self._queues: dict[int, asyncio.Queue[tuple[int, Frame | None]]] = {}
+        self._tickets = itertools.count(1)
+        self._transport: asyncio.DatagramTransport | None = None
+
+    @classmethod
+    async def open(cls) -> FrameRouter:
+        """A router listening on a new socket path."""
+        sock = await asyncio.to_thread(_bound_socket)
+        router = cls(sock.getsockname())
+        await asyncio.get_running_loop().create_datagram_endpoint(lambda: router, sock=sock)
+        return router
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def claim(self) -> tuple[int, asyncio.Queue[tuple[int, Frame | None]]]:
+        """A ticket for a new request and the queue its frames arrive on."""
+        ticket = next(self._tickets)
+        queue: asyncio.Queue[tuple[int, Frame | None]] = asyncio.Queue()
+        self._queues[ticket] = queue
+        return ticket, queue
+
+    def release(self, ticket: int) -> None:
+        """`ticket`'s request has ended: later datagrams for it are dropped."""
+        self._queues.pop(ticket, None)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        try:
+            ticket, index, codes = decode(data)
+        except ValueError:
+            self.dropped += 1
+            return
+        queue = self._queues.get(ticket)
+        if queue is None:
+            self.dropped += 1
+            return
+        queue.put_nowait((index, codes))
+        if self.history is not None and codes is not None:
+            self.history.setdefault(ticket, []).append(codes)
+
+    def close(self) -> None:
+        """Stop listening and remove the socket."""
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+            os.rmdir(os.path.dirname(self.path))
+
+
+def _bound_socket() -> socket.socket:
+    """A UNIX datagram socket bound at a new path, with a 4 MiB receive buffer."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    path = os.path.join(tempfile.mkdtemp(prefix="voicewire-omni-frames-", dir=shm), "frames.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    sock.bind(path)
+    return sock
+
+
+@dataclass(slots=True)
+class _TalkerSide:
+    """The processor's state in the talker stage's process: the socket, and each request's ticket and
+    frames sent."""
+
+    path: str
+    sock: socket.socket = field(default_factory=lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))
+    sent: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """request id -> (ticket, frames sent)."""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendto(data, self.path)
+
+
+def talker2code2wav_own(transfer_manager: Any, multimodal_output: Any, request: Any,
+                        is_finished: bool = False) -> Any:
+    """vllm-omni's talker-to-code2wav step for Qwen3-TTS with the frames sent to the server (module doc); the
+    same signature and result as vllm-omni's `talker2code2wav_async_chunk`, which it calls for the request's
+    first frame and its end."""
+    processor = omni_compat.qwen3_tts_chunk_processor()
+    side: _TalkerSide | None = getattr(transfer_manager, "_voicewire_frames", None)
+    if side is None:
+        given = omni_compat.connector_extra(transfer_manager).get(EXTRA_KEY)
+        if not isinstance(given, dict) or "socket" not in given:
+            raise ValueError(f"omni frames: the codec connector's extra has no {EXTRA_KEY} with a socket")
+        side = transfer_manager._voicewire_frames = _TalkerSide(str(given["socket"]))
+    request_id, finished = omni_compat.chunk_request_state(request, is_finished)
+    state = side.sent.get(request_id)
+    if state is None:
+        ticket = omni_compat.request_number(request, FRAMES_KEY)
+        state = (ticket or 0, 0)
+    ticket, sent = state
+    codes = omni_compat.last_codec_frame(multimodal_output)
+    if codes is not None and ticket:
+        side.send(encode(ticket, sent, codes))
+        sent += 1
+    side.sent[request_id] = (ticket, sent)
+    # vllm-omni's processor keeps the first frame only and cuts nothing before the end: one frame for code2wav
+    omni_compat.set_chunk_ramp(transfer_manager, [int(omni_compat.connector_extra(transfer_manager).get(
+        "codec_chunk_frames", 25))])
+    held = omni_compat.frames_held(transfer_manager, request_id)
+    payload = processor(transfer_manager, multimodal_output if held == 0 else None, request, is_finished)
+    if finished:
+        if ticket:
+            side.send(encode(ticket, sent, None))
+        side.sent.pop(request_id, None)
+    return payload

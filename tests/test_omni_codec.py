@@ -1,0 +1,138 @@
+"""Qwen3-TTS' 12 Hz decoder in voicewire's own codec path (`adapters/omni_codec.py`), on the tiny test model's
+speech tokenizer (`adapters/omni_testing.py`): batched and chunked decoding against vllm-omni's own whole
+decoding with the same decoder, weights read from a real safetensors file, and `CodecBatcher` batching the
+windows of concurrent streams."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm_omni", reason="vllm-omni is not installed (extra omni-cpu, docs/engines.md)")
+
+import torch
+from safetensors.torch import save_file
+from voicewire.adapters.omni_codec import QWEN3_LAYOUT, QWEN3_POLICY, Qwen3Codec
+from voicewire.adapters.omni_testing import write_qwen3_tts
+from voicewire.adapters.talker_codec import ChunkStreamer, CodecBatcher, DecodeWindow
+
+CODES = 16
+SPF = QWEN3_LAYOUT.samples_per_frame
+TOLERANCE = 1e-5
+"""Largest sample difference allowed between chunked and whole decoding (float32 rounding: the tiny decoder
+agrees to about 1e-8 with 8 or more frames of left context)."""
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_qwen3_tts(tmp_path_factory.mktemp("qwen3") / "model", "custom_voice")
+
+
+@pytest.fixture(scope="module")
+def codec(model: Path) -> Iterator[Qwen3Codec]:
+    torch.manual_seed(7)
+    codec = Qwen3Codec(model, device="cpu", random_weights=True)
+    codec.load()
+    with torch.no_grad():  # the decoder's own init leaves some layers at zero: speech-like scales throughout
+        for parameter in codec._model.parameters():
+            parameter.normal_(0.0, 0.05)
+    codec._model.precompute_snake_caches()  # its activations cache functions of their weights
+    yield codec
+
+
+def random_frames(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2048, size=(n, CODES), dtype=np.int64)
+
+
+def vllm_omni_whole(codec: Qwen3Codec, frames: np.ndarray) -> np.ndarray:
+    """vllm-omni's own decoding of a whole sequence with the same decoder (its stateless `chunked_decode`,
+    the code2wav stage's path for a finished request)."""
+    with torch.inference_mode():
+        wav = codec._model.chunked_decode(torch.from_numpy(frames.T[None].copy()))
+    return np.asarray(wav[0, 0].float().numpy())
+
+
+def streamed(frames: np.ndarray, bursts: list[int], paced_s: float | None = None) -> list[DecodeWindow]:
+    streamer = ChunkStreamer(QWEN3_POLICY, QWEN3_POLICY.initial_frames, layout=QWEN3_LAYOUT)
+    windows: list[DecodeWindow] = []
+    at, now = 0, 0.0
+    for size in bursts:
+        now += (paced_s or 0.0) * size
+        windows += streamer.push(frames[at:at + size], final=at + size == len(frames),
+                                 now=now if paced_s is not None else None)
+        at += size
+    return windows + streamer.finish()
+
+
+def test_a_batch_decodes_each_row_as_it_decodes_alone(codec: Qwen3Codec) -> None:
+    frames = np.stack([random_frames(12, seed) for seed in range(3)])
+    batch = codec.decode(frames)
+    assert batch.shape == (3, 12 * SPF) and batch.dtype == np.float32
+    assert 0.0 < float(np.abs(batch).max()) <= 1.0, "audio, clamped to [-1, 1] like vllm-omni's"
+    for row in range(3):
+        np.testing.assert_allclose(batch[row], codec.decode(frames[row:row + 1])[0], atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("bursts", [[1] * 90, [3, 1, 30, 2, 54], [90]], ids=["frame by frame", "bursts", "at once"])
+def test_chunks_decoded_with_left_context_equal_vllm_omnis_whole_decode(codec: Qwen3Codec, bursts: list[int]) -> None:
+    frames = random_frames(90, seed=1)
+    windows = streamed(frames, bursts)
+    assert windows[0].chunk_frames == 1, "the first chunk is one frame (80 ms)"
+    assert all(len(w.frames) * SPF == w.emit_end + 0 for w in windows), "causal: no lookahead, no stand-in frames"
+    assert sum(w.chunk_frames for w in windows) == 90
+    chunked = np.concatenate([codec.decode(w.frames[None])[0, w.emit_start:w.emit_end] for w in windows])
+    whole = vllm_omni_whole(codec, frames)
+    assert chunked.shape == whole.shape == (90 * SPF,)
+    assert float(np.abs(chunked - whole).max()) <= TOLERANCE
+
+
+def test_paced_chunks_grow_with_the_talkers_lead_and_stay_seamless(codec: Qwen3Codec) -> None:
+    frames = random_frames(120, seed=2)
+    windows = streamed(frames, [1] * 120, paced_s=0.02)  # a talker at 4x real time
+    sizes = [w.chunk_frames for w in windows]
+    assert sizes[0] == 1 and max(sizes) == QWEN3_POLICY.steady_frames and len(windows) < 20
+    chunked = np.concatenate([codec.decode(w.frames[None])[0, w.emit_start:w.emit_end] for w in windows])
+    assert float(np.abs(chunked - vllm_omni_whole(codec, frames)).max()) <= TOLERANCE
+
+
+def test_weights_are_read_from_the_speech_tokenizers_safetensors(model: Path, codec: Qwen3Codec,
+                                                                 tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    (folder / "speech_tokenizer").mkdir(parents=True)
+    (folder / "speech_tokenizer" / "config.json").write_text((model / "speech_tokenizer" / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        Qwen3Codec(folder, device="cpu").load()
+    state = {f"decoder.{name}": tensor.contiguous() for name, tensor in codec._model.state_dict().items()}
+    state["encoder.unused"] = torch.zeros(1)  # the encoder's tensors share the file and are skipped
+    save_file(state, str(folder / "speech_tokenizer" / "model.safetensors"))
+    loaded = Qwen3Codec(folder, device="cpu")
+    loaded.load()
+    frames = random_frames(10, seed=3)[None]
+    np.testing.assert_array_equal(loaded.decode(frames), codec.decode(frames))
+
+
+def test_a_folder_without_a_12hz_tokenizer_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="speech_tokenizer"):
+        Qwen3Codec(tmp_path)
+    (tmp_path / "speech_tokenizer").mkdir()
+    (tmp_path / "speech_tokenizer" / "config.json").write_text('{"model_type": "qwen3_tts_tokenizer_25hz"}')
+    with pytest.raises(ValueError, match="not the 12 Hz one"):
+        Qwen3Codec(tmp_path, device="cpu", random_weights=True).load()
+
+
+async def test_the_batcher_decodes_concurrent_streams_windows_together(codec: Qwen3Codec) -> None:
+    batcher = CodecBatcher(codec, max_batch=8)
+    batcher.start()
+    try:
+        streams = [streamed(random_frames(40, seed), [40]) for seed in range(6)]
+        firsts = await asyncio.gather(*(batcher.decode(windows[0]) for windows in streams))
+    finally:
+        await batcher.close()
+    assert batcher.stats.max_batch > 1, "equal-length windows of different streams share a decode call"
+    for windows, audio in zip(streams, firsts, strict=True):
+        expected = codec.decode(windows[0].frames[None])[0, windows[0].emit_start:windows[0].emit_end]
+        np.testing.assert_allclose(audio, expected, atol=TOLERANCE)

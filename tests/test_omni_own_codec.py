@@ -1,0 +1,97 @@
+"""The omni engine with voicewire's own codec (`--omni-codec voicewire`): vllm-omni's real Qwen3-TTS talker
+stage on the tiny random-weight CustomVoice model (CPU), its frames sent over the frame channel
+(`adapters/omni_frames.py`) and decoded by `Qwen3Codec` in the batcher, served over the real WebSocket."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import websockets
+
+pytest.importorskip("vllm_omni", reason="vllm-omni is not installed (extra omni-cpu, docs/engines.md)")
+
+from voicewire.adapters.omni import CPU_STAGE_CONFIGS, OmniConfig, OmniEngine
+from voicewire.adapters.omni_testing import write_qwen3_tts
+from voicewire.protocol.engine import SynthesisRequest
+from voicewire.realtime.settings import Settings
+
+from tests.server import ServerThread
+from tests.wsclient import configure, recv_until, send
+
+FRAME = 1920
+SEAM_TOLERANCE = 1e-4
+"""Largest sample difference between chunked and whole decoding, as a fraction of the whole decode's swing."""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    model = write_qwen3_tts(Path(tmp_path_factory.mktemp("own_codec")) / "model", "custom_voice")
+    engine = OmniEngine(OmniConfig(model=str(model), stage_config=str(CPU_STAGE_CONFIGS["qwen3_tts"]),
+                                   random_weights=True, pacing=None, own_codec=True))
+    srv = ServerThread(Settings(engine="omni", max_units_in_flight=2), engine, start_timeout_s=400.0)
+    yield srv
+    srv.stop()
+
+
+def frames_for(text: str) -> int:
+    return max(2, round(len(text) * OmniConfig(model="").frames_per_char))
+
+
+async def on_loop(server: ServerThread, request: SynthesisRequest) -> tuple[list[np.ndarray], np.ndarray]:
+    """The engine's pieces for one unit and the frames its talker sent (run on the server's loop)."""
+    engine = server.engine_as(OmniEngine)
+    router = engine._router
+    assert router is not None
+
+    async def run() -> tuple[list[np.ndarray], np.ndarray]:
+        router.history = {}
+        try:
+            pieces = [piece.samples async for piece in engine.synthesize(request)]
+            (frames,) = router.history.values()
+            return pieces, np.stack(frames)
+        finally:
+            router.history = None
+
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), server.loop))
+
+
+async def test_a_websocket_utterance_streams_every_frame_the_talker_made(server: ServerThread) -> None:
+    text = "Frames decoded by our own codec, one chunk at a time."
+    async with websockets.connect(server.ws_url) as ws:
+        await configure(ws, response_format="pcm", stream_audio=True, voice="vivian")
+        await send(ws, {"type": "input.text", "text": text})
+        await send(ws, {"type": "input.done"})
+        got = await recv_until(ws, "session.done", timeout=300)
+    chunks = [item for item in got.items if isinstance(item, bytes)]
+    audio = np.frombuffer(b"".join(chunks), np.int16)
+    assert len(chunks) > 1 and len(chunks[0]) == 2 * FRAME, "the first chunk is one 80 ms frame of pcm16"
+    # the talker's frames: all forced frames but the last, as on vllm-omni's own path (test_omni_engine.py)
+    assert len(audio) == (frames_for(text) - 1) * FRAME
+    assert int(np.abs(audio).max()) > 0
+
+
+async def test_chunks_equal_one_whole_decode_of_the_same_frames(server: ServerThread) -> None:
+    text = "Every seam between chunks must be inaudible: the same samples as one whole decode. " * 2
+    pieces, frames = await on_loop(server, SynthesisRequest(request_id="own-seams", text=text, voice="ryan", seed=7))
+    assert len(frames) == frames_for(text) - 1 and len(pieces) > 3
+    codec = server.engine_as(OmniEngine)._batcher.codec  # type: ignore[union-attr]
+    whole = codec.decode(frames[None])[0]
+    chunked = np.concatenate(pieces)
+    assert chunked.shape == whole.shape
+    swing = float(np.ptp(whole))
+    assert swing > 0
+    assert float(np.abs(chunked - whole).max()) <= SEAM_TOLERANCE * swing
+
+
+def test_settings_it_cannot_honour_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    base = write_qwen3_tts(tmp_path / "base", "base")
+    with pytest.raises(ValueError, match="cloned voices"):
+        OmniEngine(OmniConfig(model=str(base), pacing=None, own_codec=True))
+    with pytest.raises(ValueError, match="no pacing or ramp"):
+        OmniConfig(model=str(base), own_codec=True)
+    with pytest.raises(ValueError, match="no pacing or ramp"):
+        OmniConfig(model=str(base), pacing=None, codec_chunk_ramp=(1, 2), own_codec=True)
