@@ -311,11 +311,13 @@ class OmniEngine:
         if self.config.pacing is not None:  # one slot per unit in flight, with room for aborted ones ending
             self._board = DeliveryBoard.create(2 * self.config.max_concurrency + 16)
         if self.config.own_codec:
-            await self._start_codec()
+            self._router = await FrameRouter.open()
         self._deploy_file = self._deploy_config()
         deploy = omni_compat.resolved_deploy_config(
             self._deploy_file or omni_compat.default_deploy_config("qwen3_tts"))
         self._references = CachedReferences(references_kept(deploy))
+        if self.config.own_codec:
+            await self._start_codec(self.config.random_weights or dummy_weights(deploy))
         if self.config.pacing is not None or self.config.own_codec:
             omni_compat.register_paced_pipeline(FRAMES_PROCESSOR if self.config.own_codec else PACING_PROCESSOR)
         try:
@@ -340,11 +342,10 @@ class OmniEngine:
         if router is not None:
             router.close()
 
-    async def _start_codec(self) -> None:
-        """Voicewire's own codec path: the frame channel, the decoder (loaded on the codec thread, with its
-        CUDA graphs on a GPU) and its batcher."""
-        self._router = await FrameRouter.open()
-        codec = Qwen3Codec(self.config.model, random_weights=self.config.random_weights)
+    async def _start_codec(self, random_weights: bool) -> None:
+        """Voicewire's own codec path: the decoder (loaded on the codec thread, with its CUDA graphs on a GPU;
+        seeded random weights when the pipeline's stages load none) and its batcher."""
+        codec = Qwen3Codec(self.config.model, random_weights=random_weights)
         # every unit's window in one batch: Qwen3's windows carry up to 72 frames of left context
         batcher = self._batcher = CodecBatcher(codec, max_batch=self.config.max_concurrency,
                                                max_batch_frames=self.config.max_concurrency * CODEC_GRAPH_LENGTHS[-1])
@@ -587,6 +588,12 @@ class OmniEngine:
             x_vector_only_mode=True if base else None)
         async for _ in self._synthesize(request):
             pass
+
+
+def dummy_weights(deploy: Mapping[str, Any]) -> bool:
+    """Whether a deploy config's stages load random weights (`load_format: dummy` on any stage): voicewire's
+    own codec then decodes with random weights too (the folder ships none)."""
+    return any(stage.get("load_format") == "dummy" for stage in deploy.get("stages", []) if isinstance(stage, dict))
 
 
 CODEC_GRAPH_LENGTHS: Final = (1, 2, 4, 8, 16, 32, 64, 97)

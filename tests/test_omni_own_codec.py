@@ -14,7 +14,7 @@ import websockets
 
 pytest.importorskip("vllm_omni", reason="vllm-omni is not installed (extra omni-cpu, docs/engines.md)")
 
-from voicewire.adapters.omni import CPU_STAGE_CONFIGS, OmniConfig, OmniEngine
+from voicewire.adapters.omni import CPU_STAGE_CONFIGS, OmniConfig, OmniEngine, dummy_weights
 from voicewire.adapters.omni_testing import write_qwen3_tts
 from voicewire.protocol.engine import SynthesisRequest
 from voicewire.realtime.settings import Settings
@@ -95,3 +95,12 @@ def test_settings_it_cannot_honour_are_refused_before_anything_starts(tmp_path: 
         OmniConfig(model=str(base), own_codec=True)
     with pytest.raises(ValueError, match="no pacing or ramp"):
         OmniConfig(model=str(base), pacing=None, codec_chunk_ramp=(1, 2), own_codec=True)
+
+
+def test_the_codec_takes_random_weights_where_the_pipeline_loads_none() -> None:
+    """A deploy config with `load_format: dummy` (the duel's, on the H200) has no weights for the decoder to
+    read either: voicewire's codec then runs on random weights, without the engine's random-weight mode (which
+    would also force each unit's length)."""
+    assert dummy_weights({"stages": [{"stage_id": 0, "load_format": "dummy"}, {"stage_id": 1}]})
+    assert not dummy_weights({"stages": [{"stage_id": 0}, {"stage_id": 1, "load_format": "auto"}]})
+    assert not dummy_weights({})
