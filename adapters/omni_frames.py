@@ -147,6 +147,9 @@ class _TalkerSide:
     frames sent."""
 
     path: str
+    hold: list[int]
+    """The chunk-ramp table that makes vllm-omni's processor cut nothing before a request's end (its steady
+    chunk, `codec_chunk_frames`)."""
     sock: socket.socket = field(default_factory=lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))
     sent: dict[str, tuple[int, int]] = field(default_factory=dict)
     """request id -> (ticket, frames sent)."""
@@ -163,10 +166,12 @@ def talker2code2wav_own(transfer_manager: Any, multimodal_output: Any, request: 
     processor = omni_compat.qwen3_tts_chunk_processor()
     side: _TalkerSide | None = getattr(transfer_manager, "_voicewire_frames", None)
     if side is None:
-        given = omni_compat.connector_extra(transfer_manager).get(EXTRA_KEY)
+        extra = omni_compat.connector_extra(transfer_manager)
+        given = extra.get(EXTRA_KEY)
         if not isinstance(given, dict) or "socket" not in given:
             raise ValueError(f"omni frames: the codec connector's extra has no {EXTRA_KEY} with a socket")
-        side = transfer_manager._voicewire_frames = _TalkerSide(str(given["socket"]))
+        side = transfer_manager._voicewire_frames = _TalkerSide(str(given["socket"]),
+                                                                [int(extra.get("codec_chunk_frames", 25))])
     request_id, finished = omni_compat.chunk_request_state(request, is_finished)
     state = side.sent.get(request_id)
     if state is None:
@@ -179,8 +184,7 @@ def talker2code2wav_own(transfer_manager: Any, multimodal_output: Any, request: 
         sent += 1
     side.sent[request_id] = (ticket, sent)
     # vllm-omni's processor keeps the first frame only and cuts nothing before the end: one frame for code2wav
-    omni_compat.set_chunk_ramp(transfer_manager, [int(omni_compat.connector_extra(transfer_manager).get(
-        "codec_chunk_frames", 25))])
+    omni_compat.set_chunk_ramp(transfer_manager, side.hold)
     held = omni_compat.frames_held(transfer_manager, request_id)
     payload = processor(transfer_manager, multimodal_output if held == 0 else None, request, is_finished)
     if finished:
