@@ -346,12 +346,12 @@ class OmniEngine:
         """Voicewire's own codec path: the decoder (loaded on the codec thread, with its CUDA graphs on a GPU;
         seeded random weights when the pipeline's stages load none) and its batcher."""
         codec = Qwen3Codec(self.config.model, random_weights=random_weights)
-        # every unit's window in one batch: Qwen3's windows carry up to 72 frames of left context
         batcher = self._batcher = CodecBatcher(codec, max_batch=self.config.max_concurrency,
-                                               max_batch_frames=self.config.max_concurrency * CODEC_GRAPH_LENGTHS[-1])
+                                               max_batch_frames=CODEC_MAX_BATCH_FRAMES)
         batcher.start()
         await batcher.on_codec_thread(codec.load)
-        await batcher.on_codec_thread(codec.prepare, CODEC_GRAPH_LENGTHS, self.config.max_concurrency)
+        await batcher.on_codec_thread(codec.prepare, CODEC_GRAPH_LENGTHS, self.config.max_concurrency,
+                                      CODEC_MAX_BATCH_FRAMES)
 
     def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         return lost_with_pipeline(self.failure, self._synthesize(request))
@@ -600,6 +600,12 @@ CODEC_GRAPH_LENGTHS: Final = (1, 2, 4, 8, 16, 32, 64, 97)
 """Window lengths (frames) voicewire's own codec captures CUDA graphs for on a GPU: a window takes more left
 context, where the unit has it, to reach the next one (`ChunkStreamer.window_lengths`); 97 = 72 frames of
 context and the largest chunk."""
+
+CODEC_MAX_BATCH_FRAMES: Final = 4 * CODEC_GRAPH_LENGTHS[-1]
+"""The most frames one decode of voicewire's own codec takes (`CodecBatcher`): four full windows. The decoder
+needs about 4 MB of activations per frame in float32 (measured on the CPU with the 1.7B model's tokenizer
+shapes), so a batch of 64 full windows (6208 frames) would need about 26 GB, and its CUDA graph capture ran
+out of memory on an 80 GB H100 (2026-12-06); a batch also holds back an urgent first chunk queued behind it."""
 
 FINAL_WAIT_S: Final = 1.0
 """How long a unit waits for its frame channel's end after vllm-omni's request has finished."""

@@ -247,7 +247,8 @@ class TalkerEngine:
         self._batcher.start()
         # The codec's CUDA graphs are captured on the codec thread while vLLM starts (~1.2 s per shape).
         capture = asyncio.ensure_future(self._batcher.on_codec_thread(
-            self._codec.prepare, self._window_lengths(), self.config.codec_max_batch))
+            self._codec.prepare, self._window_lengths(), self.config.codec_max_batch,
+            self.config.codec_max_batch_frames))
         try:
             self._llm = await asyncio.to_thread(self._create_llm)
             await capture

@@ -288,12 +288,16 @@ class ChunkStreamer:
         return self._codes
 
 
-def graph_plan(lengths: Sequence[int], max_batch: int, batches: Sequence[int]) -> list[tuple[int, int]]:
+def graph_plan(lengths: Sequence[int], max_batch: int, batches: Sequence[int],
+               max_frames: int | None = None) -> list[tuple[int, int]]:
     """Every (batch bucket, window length) shape to capture for windows of `lengths` frames in batches of up
-    to `max_batch`: the buckets of `batches` below `max_batch`, and `max_batch` itself; the largest shape
-    (batch x length) first."""
+    to `max_batch` windows and `max_frames` frames (None: no frame cap): the buckets of `batches` below
+    `max_batch`, and `max_batch` itself, of those a batch of the length can fill (at least the smallest,
+    as `batch_size` makes no batch of more); the largest shape (batch x length) first."""
     buckets = [b for b in batches if b < max_batch] + [max_batch]
-    return sorted(((b, n) for n in set(lengths) for b in buckets), key=lambda s: (s[0] * s[1], s), reverse=True)
+    shapes = {(b, n) for n in set(lengths) for i, b in enumerate(buckets)
+              if i == 0 or max_frames is None or b * n <= max_frames}
+    return sorted(shapes, key=lambda s: (s[0] * s[1], s), reverse=True)
 
 
 def batch_size(length: int, max_batch: int, max_batch_frames: int, captured: Sequence[int]) -> int:
@@ -361,6 +365,8 @@ class GraphedCodec:
         self._graphs: dict[tuple[int, int], Any] = {}
         self._graph_batches: dict[int, list[int]] = {}
         self._pool: Any = None
+        self._captured = 0
+        """Graphs captured into `_pool` so far (`prepare`)."""
         self._buffers: Any = None
 
     def load(self) -> None:
@@ -395,14 +401,17 @@ class GraphedCodec:
         """The window lengths (frames) with captured graphs, ascending."""
         return tuple(sorted(self._graph_batches))
 
-    def prepare(self, lengths: Sequence[int], max_batch: int) -> None:
+    def prepare(self, lengths: Sequence[int], max_batch: int, max_batch_frames: int | None = None) -> None:
         """On CUDA with `cuda_graphs`: capture a graph for each window length in `lengths` and every batch
-        bucket up to `max_batch`. Measured on the H200 with SNAC: about 1.2 s per (length, bucket) shape,
-        mostly cuDNN building its plans for a shape it has not seen (an eager decode pays that too, the first
-        time it meets a shape), so capture only the lengths the schedule produces. Elsewhere: nothing.
+        bucket up to `max_batch` windows and `max_batch_frames` frames (`graph_plan`: the shapes
+        `CodecBatcher` with the same limits decodes; None: no frame cap). Measured on the H200 with SNAC: about
+        1.2 s per (length, bucket) shape, mostly cuDNN building its plans for a shape it has not seen (an eager
+        decode pays that too, the first time it meets a shape), so capture only the lengths the schedule
+        produces. Elsewhere: nothing.
 
         The largest shapes are captured first (`graph_plan`), so that each later capture can take its memory
-        from blocks the larger ones freed in the shared pool. Captured length by length, smallest batch
+        from blocks the larger ones freed in the shared pool (a first shape that fails gives the rest a new
+        pool: PyTorch's allocator refuses a pool whose only graph failed). Captured length by length, smallest batch
         first, the SNAC shapes for 128 sessions held 21 GB of graph pool and 24 GB of cached blocks on an 80 GB
         H100 beside vLLM when they ran out of memory. A shape that runs out of memory is skipped and the
         smaller ones are still tried (`capture_shapes`): its batches decode in a larger captured bucket if
@@ -412,19 +421,20 @@ class GraphedCodec:
             raise RuntimeError("codec: not loaded (call load() first)")
         if not (self.cuda_graphs and self.device.startswith("cuda")) or not lengths:
             return
-        shapes = graph_plan(lengths, max_batch, self.GRAPH_BATCHES)
+        shapes = graph_plan(lengths, max_batch, self.GRAPH_BATCHES, max_batch_frames)
+        batch_rows = max(b for b, _ in shapes)
         max_frames = max(lengths)
         codes_per_frame, samples_per_frame = self.layout.codes_per_frame, self.layout.samples_per_frame
         with torch.inference_mode():
-            codes_in = torch.zeros(max_batch * max_frames * codes_per_frame, dtype=torch.int64, device=self.device)
-            audio_out = torch.zeros(max_batch * max_frames * samples_per_frame, dtype=torch.float32,
+            codes_in = torch.zeros(batch_rows * max_frames * codes_per_frame, dtype=torch.int64, device=self.device)
+            audio_out = torch.zeros(batch_rows * max_frames * samples_per_frame, dtype=torch.float32,
                                     device=self.device)
             finite = torch.ones(1, dtype=torch.bool, device=self.device)
             pinned = (torch.zeros(codes_in.numel(), dtype=torch.int64, pin_memory=True),
                       torch.zeros(audio_out.numel(), dtype=torch.float32, pin_memory=True),
                       torch.zeros(1, dtype=torch.bool, pin_memory=True))
             self._buffers = (codes_in, audio_out, finite, pinned)
-            self._pool = torch.cuda.graph_pool_handle()
+            self._pool, self._captured = torch.cuda.graph_pool_handle(), 0
             side = torch.cuda.Stream(device=self.device)
             self._graphs = capture_shapes(shapes, lambda batch, frames: self._capture(side, batch, frames),
                                           torch.OutOfMemoryError)
@@ -458,8 +468,13 @@ class GraphedCodec:
                 # (`capture_shapes` skips only that shape), whatever ending a broken capture raises
                 with contextlib.suppress(Exception):
                     graph.capture_end()
+                if not self._captured:
+                    # the failed graph held the pool's only use: PyTorch's allocator then refuses the handle
+                    # for the next capture ("use_count > 0" internal assert), so later shapes take a new pool
+                    self._pool = torch.cuda.graph_pool_handle()
                 raise
             graph.capture_end()
+        self._captured += 1
         return graph
 
     def decode(self, frames: CodeFrames) -> npt.NDArray[np.float32]:

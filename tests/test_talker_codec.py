@@ -340,6 +340,21 @@ def test_graph_plan_captures_the_largest_shapes_first() -> None:
     assert [b * n for b, n in plan] == sorted((b * n for b, n in plan), reverse=True)
 
 
+def test_graph_plan_under_a_frame_cap_leaves_out_only_shapes_no_batch_takes() -> None:
+    """With the batcher's frame cap, the plan keeps every shape a batch of that cap can use and no larger one
+    (a window longer than the cap still gets batch 1): the batches `batch_size` forms are the same as with
+    every shape captured, and the largest graphs (the memory) are gone."""
+    lengths, cap = (1, 2, 4, 8, 16, 32, 64, 97), 388
+    capped = graph_plan(lengths, 64, SnacCodec.GRAPH_BATCHES, cap)
+    full = graph_plan(lengths, 64, SnacCodec.GRAPH_BATCHES)
+    assert set(capped) < set(full) and max(b * n for b, n in capped) == 388 and capped[0] == (4, 97)
+    assert (64, 4) in capped and (1, 500) in graph_plan([500], 64, SnacCodec.GRAPH_BATCHES, cap)
+    for n in lengths:
+        with_cap = sorted(b for b, m in capped if m == n)
+        uncapped = sorted(b for b, m in full if m == n)
+        assert batch_size(n, 64, cap, with_cap) == batch_size(n, 64, cap, uncapped)
+
+
 class OutOfMemory(Exception):
     """Stands in for `torch.OutOfMemoryError`, which only a CUDA capture raises."""
 
