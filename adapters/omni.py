@@ -65,7 +65,7 @@ import numpy as np
 from voicewire.adapters import omni_compat
 from voicewire.adapters.omni_codec import QWEN3_LAYOUT, QWEN3_POLICY, Qwen3Codec
 from voicewire.adapters.omni_frames import EXTRA_KEY as FRAMES_EXTRA_KEY
-from voicewire.adapters.omni_frames import FRAMES_KEY, FrameRouter
+from voicewire.adapters.omni_frames import FRAMES_KEY, REFERENCE_INDEX, FrameRouter
 from voicewire.adapters.omni_frames import PROCESSOR as FRAMES_PROCESSOR
 from voicewire.adapters.omni_pacing import BOARD_KEY, LEAD_PER_STREAM_S, LEAD_S, DeliveryBoard
 from voicewire.adapters.omni_pacing import EXTRA_KEY as PACING_KEY
@@ -257,9 +257,6 @@ class OmniEngine:
             raise FileNotFoundError(f"omni: stage config {config.stage_config} does not exist")
         self.model = Qwen3TTSModel.read(folder)
         m = self.model
-        if config.own_codec and m.task_type == "Base":
-            raise ValueError("omni: voicewire's own codec does not decode cloned voices yet (their reference "
-                             "codes stay in vllm-omni's pipeline): serve a Base model with --omni-codec pipeline")
         voices = m.speakers or (DEFAULT_VOICE,)
         declared = QWEN3_TTS[m.task_type]
         fields = set(declared.fields)
@@ -512,7 +509,9 @@ class OmniEngine:
         async def due_windows() -> AsyncGenerator[DecodeWindow]:
             """The unit's chunks to decode, in order, as the talker's frames make them due."""
             while True:
-                frames, ended = await _next_frames(arrivals, request_task)
+                frames, ended, reference = await _next_frames(arrivals, request_task)
+                if reference is not None:
+                    streamer.context(reference)
                 now = time.perf_counter()
                 for window in streamer.push(frames, final=ended, now=now, backlog_s=batcher.backlog_s(now)):
                     yield window
@@ -612,12 +611,13 @@ FINAL_WAIT_S: Final = 1.0
 
 
 async def _next_frames(arrivals: asyncio.Queue[tuple[int, Any]],
-                       request: asyncio.Future[None]) -> tuple[Any, bool]:
+                       request: asyncio.Future[None]) -> tuple[Any, bool, Any]:
     """The frames waiting on a unit's frame channel (at least one, or its end), as an array of shape (n, 16),
-    and whether the unit's frames ended. Raises what the pipeline's request raised; a request that finished
-    without the channel's end (lost datagrams: not expected on one host) ends the frames after
-    `FINAL_WAIT_S`."""
+    whether the unit's frames ended, and the reference frames (a cloning request's, shape (m, 16)) that came
+    before them, else None. Raises what the pipeline's request raised; a request that finished without the
+    channel's end (lost datagrams: not expected on one host) ends the frames after `FINAL_WAIT_S`."""
     rows: list[Any] = []
+    reference = None
     ended = False
     while not rows and not ended:
         if arrivals.empty():
@@ -631,22 +631,25 @@ async def _next_frames(arrivals: asyncio.Queue[tuple[int, Any]],
                     item = await asyncio.wait_for(arrivals.get(), FINAL_WAIT_S)
                 except TimeoutError:
                     log.warning("omni: a unit's frame channel did not end within %.1f s of its request", FINAL_WAIT_S)
-                    return np.zeros((0, QWEN3_LAYOUT.codes_per_frame), np.int64), True
+                    return np.zeros((0, QWEN3_LAYOUT.codes_per_frame), np.int64), True, reference
             else:
                 item = getter.result()
         else:
             item = arrivals.get_nowait()
         while True:
-            _, codes = item
+            index, codes = item
             if codes is None:
                 ended = True
                 break
-            rows.append(codes)
+            if index == REFERENCE_INDEX:
+                reference = codes
+            else:
+                rows.append(codes)
             if arrivals.empty():
                 break
             item = arrivals.get_nowait()
     frames = np.stack(rows) if rows else np.zeros((0, QWEN3_LAYOUT.codes_per_frame), np.int64)
-    return frames, ended
+    return frames, ended, reference
 
 
 def pipeline_down(omni: Any) -> str | None:

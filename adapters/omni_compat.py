@@ -264,6 +264,19 @@ def last_codec_frame(multimodal_output: Any) -> list[int] | None:
     return [int(code) for code in frame.reshape(-1).tolist()] if valid else None
 
 
+def reference_codes(multimodal_output: Any) -> list[int] | None:
+    """The reference audio's codec frames a cloning request's talker step carries (`codes.ref`, in-context
+    cloning only), flat and frame by frame (frames x quantizers), as vllm-omni's processor reads them; None
+    when the step carries none."""
+    if not isinstance(multimodal_output, Mapping):
+        return None
+    codes = multimodal_output.get("codes", {})
+    ref: Any = codes.get("ref") if isinstance(codes, Mapping) else None
+    if getattr(ref, "numel", None) is None or ref.numel() == 0:
+        return None
+    return [int(code) for code in ref.reshape(-1).tolist()]
+
+
 def request_number(request: Any, key: str) -> int | None:
     """The one integer a talker-stage request carries under `key` in its `additional_information` (as
     vllm-omni reads its per-request `initial_codec_chunk_frames`), or None."""

@@ -6,15 +6,20 @@ process. `talker2code2wav_own` (named by the deploy YAML like the pacer, `omni_c
 sends each step's frame (16 codes) to the server over a UNIX datagram socket (`FrameRouter`, whose path the
 codec connector's `extra` carries under `EXTRA_KEY`), tagged with the request's ticket (`FRAMES_KEY` in its
 `additional_information`) and the frame's index; after the last step, a final datagram with the frame count.
-It hands vllm-omni's own processor the request's first frame only and no chunk before the end, so the
-code2wav stage decodes one frame per request, at its end (the request then finishes as vllm-omni's pipeline
-expects; the server drops that audio).
+A cloning request's reference codes (in-context cloning: `codes.ref`, the talker's encoding of the reference
+audio) go first, bounded as vllm-omni bounds them for its first chunk (the connector's
+`ref_code_context_frames`, else `codec_left_context_frames`): the server's codec decodes the unit's first
+windows with them as left context, as vllm-omni's code2wav does. It hands vllm-omni's own processor the
+request's first frame only and no chunk before the end, so the code2wav stage decodes one frame per request,
+at its end (the request then finishes as vllm-omni's pipeline expects; the server drops that audio).
 
 Loopback UNIX datagrams arrive whole and in order (the sender blocks while the receiver's buffer is full),
 so the server sees each request's frames as the talker made them. A datagram for a ticket the server no
 longer holds (an aborted unit, or a last step vllm-omni processes twice) is dropped.
 
-Wire format: `<QIB` (ticket, frame index, flags: 1 = final, no codes follow) then the codes as int16.
+Wire format: `<QIB` (ticket, frame index, flags) then codes as int16. Flags 0: frame `index`, its codes;
+`FINAL`: the end after `index` frames, no codes; `REFERENCE`: `index` reference frames, their codes frame by
+frame.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import struct
@@ -35,6 +41,8 @@ import numpy as np
 import numpy.typing as npt
 from voicewire.adapters import omni_compat
 
+log = logging.getLogger(__name__)
+
 FRAMES_KEY: Final = "voicewire_frames"
 """The `additional_information` key of a request's ticket on the frame channel."""
 
@@ -45,42 +53,54 @@ PROCESSOR: Final = f"{__name__}.talker2code2wav_own"
 """What the deploy YAML names as the talker stage's processor."""
 
 FINAL: Final = 1
+REFERENCE: Final = 2
 _HEADER: Final = struct.Struct("<QIB")
 
 Frame = npt.NDArray[np.int64]
-"""One frame's codes, shape (codes per frame,)."""
+"""One frame's codes, shape (codes per frame,); the reference's frames, shape (frames, codes per frame)."""
+
+REFERENCE_INDEX: Final = -1
+"""The index a queue item of reference frames carries (`FrameRouter`)."""
 
 
-def encode(ticket: int, index: int, codes: Sequence[int] | None) -> bytes:
-    """A datagram: frame `index` of `ticket`'s request with its `codes`, or (codes None) the request's end
-    after `index` frames."""
+def encode(ticket: int, index: int, codes: Sequence[int] | None, flags: int = 0) -> bytes:
+    """A datagram (module doc): frame `index` of `ticket`'s request with its `codes`; (codes None) the
+    request's end after `index` frames; (`flags` `REFERENCE`) `index` reference frames, `codes` flat."""
     if codes is None:
         return _HEADER.pack(ticket, index, FINAL)
-    return _HEADER.pack(ticket, index, 0) + array("h", codes).tobytes()
+    return _HEADER.pack(ticket, index, flags) + array("h", codes).tobytes()
 
 
 def decode(data: bytes) -> tuple[int, int, Frame | None]:
-    """(ticket, index, codes or None for the end) of a datagram. Raises ValueError for a malformed one."""
+    """(ticket, index, codes) of a datagram: codes None for the end; for reference frames, index
+    `REFERENCE_INDEX` and codes of shape (frames, codes per frame). Raises ValueError for a malformed one."""
     if len(data) < _HEADER.size:
         raise ValueError("omni frames: short datagram")
     ticket, index, flags = _HEADER.unpack_from(data)
     if flags & FINAL:
         return ticket, index, None
     codes = np.frombuffer(data, np.int16, offset=_HEADER.size).astype(np.int64)
+    if flags & REFERENCE:
+        if index < 1 or len(codes) % index:
+            raise ValueError("omni frames: reference codes do not divide into their frames")
+        return ticket, REFERENCE_INDEX, codes.reshape(index, -1)
     return ticket, index, codes
 
 
 class FrameRouter(asyncio.DatagramProtocol):
     """The server's end: a UNIX datagram socket (in /dev/shm where there is one; `close` removes it) whose
     datagrams go, by ticket, to the queue of the unit that claimed it. Each queue gets (index, codes) per
-    frame and (count, None) at the request's end."""
+    frame, (count, None) at the request's end and, for a cloning request before its frames,
+    (`REFERENCE_INDEX`, reference frames)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.dropped = 0
         """Datagrams for no claimed ticket, or malformed."""
         self.history: dict[int, list[Frame]] | None = None
-        """When set to a dict: every frame routed is also kept there, by ticket (for traces and tests)."""
+        """When set to a dict: every frame routed is also kept there, by ticket (for traces and tests), and
+        each reference in `references`."""
+        self.references: dict[int, Frame] = {}
         self._queues: dict[int, asyncio.Queue[tuple[int, Frame | None]]] = {}
         self._tickets = itertools.count(1)
         self._transport: asyncio.DatagramTransport | None = None
@@ -119,7 +139,10 @@ class FrameRouter(asyncio.DatagramProtocol):
             return
         queue.put_nowait((index, codes))
         if self.history is not None and codes is not None:
-            self.history.setdefault(ticket, []).append(codes)
+            if index == REFERENCE_INDEX:
+                self.references[ticket] = codes
+            else:
+                self.history.setdefault(ticket, []).append(codes)
 
     def close(self) -> None:
         """Stop listening and remove the socket."""
@@ -150,12 +173,27 @@ class _TalkerSide:
     hold: list[int]
     """The chunk-ramp table that makes vllm-omni's processor cut nothing before a request's end (its steady
     chunk, `codec_chunk_frames`)."""
+    reference_frames: int
+    """The most reference frames sent (vllm-omni's bound on its first chunk's reference context)."""
     sock: socket.socket = field(default_factory=lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))
     sent: dict[str, tuple[int, int]] = field(default_factory=dict)
     """request id -> (ticket, frames sent)."""
+    references: dict[str, list[int]] = field(default_factory=dict)
+    """request id -> reference codes (flat) not sent yet: they go with the request's first frame."""
 
     def send(self, data: bytes) -> None:
         self.sock.sendto(data, self.path)
+
+    def send_reference(self, ticket: int, reference: list[int], width: int) -> None:
+        """The last `reference_frames` frames of `reference` (flat, `width` codes a frame); a reference that
+        does not divide into frames is left out with a warning, as vllm-omni's processor leaves it out."""
+        if len(reference) % width:
+            log.warning("omni frames: reference codes (%d) do not divide into frames of %d; decoding without "
+                        "them", len(reference), width)
+            return
+        count = min(len(reference) // width, self.reference_frames)
+        if count > 0:
+            self.send(encode(ticket, count, reference[len(reference) - count * width:], REFERENCE))
 
 
 def talker2code2wav_own(transfer_manager: Any, multimodal_output: Any, request: Any,
@@ -170,16 +208,24 @@ def talker2code2wav_own(transfer_manager: Any, multimodal_output: Any, request: 
         given = extra.get(EXTRA_KEY)
         if not isinstance(given, dict) or "socket" not in given:
             raise ValueError(f"omni frames: the codec connector's extra has no {EXTRA_KEY} with a socket")
-        side = transfer_manager._voicewire_frames = _TalkerSide(str(given["socket"]),
-                                                                [int(extra.get("codec_chunk_frames", 25))])
+        side = transfer_manager._voicewire_frames = _TalkerSide(
+            str(given["socket"]), [int(extra.get("codec_chunk_frames", 25))],
+            int(extra.get("ref_code_context_frames") or extra.get("codec_left_context_frames", 25)))
     request_id, finished = omni_compat.chunk_request_state(request, is_finished)
     state = side.sent.get(request_id)
     if state is None:
         ticket = omni_compat.request_number(request, FRAMES_KEY)
         state = (ticket or 0, 0)
     ticket, sent = state
+    if sent == 0 and ticket and request_id not in side.references:
+        reference = omni_compat.reference_codes(multimodal_output)
+        if reference:
+            side.references[request_id] = reference
     codes = omni_compat.last_codec_frame(multimodal_output)
     if codes is not None and ticket:
+        reference = side.references.pop(request_id, None)
+        if reference:  # before the first frame: the server's streamer takes it as that frame's left context
+            side.send_reference(ticket, reference, len(codes))
         side.send(encode(ticket, sent, codes))
         sent += 1
     side.sent[request_id] = (ticket, sent)
@@ -191,4 +237,5 @@ def talker2code2wav_own(transfer_manager: Any, multimodal_output: Any, request: 
         if ticket:
             side.send(encode(ticket, sent, None))
         side.sent.pop(request_id, None)
+        side.references.pop(request_id, None)
     return payload

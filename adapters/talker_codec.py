@@ -136,8 +136,9 @@ class ChunkPolicy:
 
 @dataclass(frozen=True, slots=True)
 class DecodeWindow:
-    """One chunk to decode: `frames` (shape (n, 7)) start at unit frame `first_frame` (the last rows may be
-    copies of the last real frame, standing in for a future not waited for); of the decoded window audio,
+    """One chunk to decode: `frames` (shape (n, codes per frame)) start at unit frame `first_frame` (negative:
+    in the left context given by `ChunkStreamer.context`; the last rows may be copies of the last real frame,
+    standing in for a future not waited for); of the decoded window audio,
     samples `[emit_start, emit_end)` are the chunk's output. `chunk_frames` counts the new frames the chunk
     covers (context excluded)."""
 
@@ -165,6 +166,8 @@ class ChunkStreamer:
     _frames: list[CodeFrames] = field(default_factory=list)
     _total: int = 0
     _next: int = 0
+    _base: int = 0
+    """Frames of left context given before the unit's own (`context`): unit frame i is `_base + i` here."""
     _codes: CodeFrames | None = None
     _played_from: float | None = None
     """Paced: when the first chunk was cut (the listener's clock starts there)."""
@@ -178,6 +181,17 @@ class ChunkStreamer:
     """Paced: the held peak of the cut -> decoded latency reported by `delivered` (0 until one is)."""
     _backlog_s: float = 0.0
     """Paced: the codec's backlog given with the latest push."""
+
+    def context(self, frames: CodeFrames) -> None:
+        """Frames that precede the unit's own as the decoder's left context only (a cloned voice's reference
+        codes): windows take them as context, no chunk covers them. Only before the first `push`; raises
+        RuntimeError after it."""
+        if self._total:
+            raise RuntimeError("codec: left context only before the unit's first frames")
+        if len(frames):
+            self._frames.append(frames)
+            self._total = self._next = self._base = len(frames)
+            self._codes = None
 
     def push(self, frames: CodeFrames, final: bool = False, now: float | None = None,
              backlog_s: float = 0.0) -> list[DecodeWindow]:
@@ -195,9 +209,10 @@ class ChunkStreamer:
                 self._measure_pace(len(frames), now)
         due: list[DecodeWindow] = []
         while self._next < self._total:
-            first = self._next == 0
-            size = self.initial_frames if first else max(self.policy.next_size(self._next), self._affordable(now))
-            lookahead = self.policy.lookahead_frames if self._next >= self.policy.lookahead_from_frame else 0
+            first = self._next == self._base
+            size = (self.initial_frames if first
+                    else max(self.policy.next_size(self._next - self._base), self._affordable(now)))
+            lookahead = self._lookahead()
             if self._total >= self._next + size + lookahead:
                 end = self._next + size
             elif not first and self._running_dry(now):
@@ -242,7 +257,7 @@ class ChunkStreamer:
         """Paced: seconds of audio cut so far that the listener has not played yet at `now` (None unpaced)."""
         if now is None or self._played_from is None:
             return None
-        return self._played_from + self._next * self.layout.frame_s - now
+        return self._played_from + (self._next - self._base) * self.layout.frame_s - now
 
     def _running_dry(self, now: float | None) -> bool:
         left = self._buffer_left(now)
@@ -260,10 +275,14 @@ class ChunkStreamer:
         left = self._buffer_left(now)
         if left is None or not self._frame_s:
             return 0
-        lookahead = self.policy.lookahead_frames if self._next >= self.policy.lookahead_from_frame else 0
+        lookahead = self._lookahead()
         makeable = int((left - self._margin()) / self._frame_s)
         in_hand = self._total - self._next - lookahead
         return min(max(in_hand + makeable, 0), self.policy.steady_frames)
+
+    def _lookahead(self) -> int:
+        """The frames the next chunk waits for after it (`ChunkPolicy.lookahead_from_frame`)."""
+        return self.policy.lookahead_frames if self._next - self._base >= self.policy.lookahead_from_frame else 0
 
     def _window(self, end: int, lookahead: int, pad: int) -> DecodeWindow:
         start = self._next
@@ -276,7 +295,7 @@ class ChunkStreamer:
         if pad:
             frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
         spf = self.layout.samples_per_frame
-        window = DecodeWindow(first, frames, (start - first) * spf, (end - first) * spf, end - start)
+        window = DecodeWindow(first - self._base, frames, (start - first) * spf, (end - first) * spf, end - start)
         self._next = end
         return window
 

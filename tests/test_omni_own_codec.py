@@ -1,10 +1,15 @@
 """The omni engine with voicewire's own codec (`--omni-codec voicewire`): vllm-omni's real Qwen3-TTS talker
-stage on the tiny random-weight CustomVoice model (CPU), its frames sent over the frame channel
-(`adapters/omni_frames.py`) and decoded by `Qwen3Codec` in the batcher, served over the real WebSocket."""
+stage on the tiny random-weight Base (cloning) model (CPU), its frames sent over the frame channel
+(`adapters/omni_frames.py`) and decoded by `Qwen3Codec` in the batcher, served over the real WebSocket.
+Base covers both routes: x-vector-only cloning sends frames alone (as CustomVoice and VoiceDesign do), in-context
+cloning sends the reference's codes first, as left context for the first windows."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
+import wave
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,20 +21,22 @@ pytest.importorskip("vllm_omni", reason="vllm-omni is not installed (extra omni-
 
 from voicewire.adapters.omni import CPU_STAGE_CONFIGS, OmniConfig, OmniEngine, dummy_weights
 from voicewire.adapters.omni_testing import write_qwen3_tts
-from voicewire.protocol.engine import SynthesisRequest
+from voicewire.protocol.engine import SynthesisRequest, VoiceSample
 from voicewire.realtime.settings import Settings
 
 from tests.server import ServerThread
 from tests.wsclient import configure, recv_until, send
 
 FRAME = 1920
+RATE = 24000
+REF_TEXT = "A short reference sentence."
 SEAM_TOLERANCE = 1e-4
 """Largest sample difference between chunked and whole decoding, as a fraction of the whole decode's swing."""
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    model = write_qwen3_tts(Path(tmp_path_factory.mktemp("own_codec")) / "model", "custom_voice")
+    model = write_qwen3_tts(Path(tmp_path_factory.mktemp("own_codec")) / "model", "base")
     engine = OmniEngine(OmniConfig(model=str(model), stage_config=str(CPU_STAGE_CONFIGS["qwen3_tts"]),
                                    random_weights=True, pacing=None, own_codec=True))
     srv = ServerThread(Settings(engine="omni", max_units_in_flight=2), engine, start_timeout_s=400.0)
@@ -41,28 +48,54 @@ def frames_for(text: str) -> int:
     return max(2, round(len(text) * OmniConfig(model="").frames_per_char))
 
 
-async def on_loop(server: ServerThread, request: SynthesisRequest) -> tuple[list[np.ndarray], np.ndarray]:
-    """The engine's pieces for one unit and the frames its talker sent (run on the server's loop)."""
+def reference(seconds: float) -> np.ndarray:
+    """A reference recording: a 220 Hz tone, float32 at 24 kHz."""
+    t = np.arange(int(RATE * seconds)) / RATE
+    return (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+
+
+def wav_base64(samples: np.ndarray) -> str:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(RATE)
+        w.writeframes((samples * 32767).astype(np.int16).tobytes())
+    return base64.b64encode(out.getvalue()).decode()
+
+
+async def on_loop(server: ServerThread, request: SynthesisRequest
+                  ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None]:
+    """The engine's pieces for one unit, the frames its talker sent and the reference frames sent before them
+    (None: none), run on the server's loop."""
     engine = server.engine_as(OmniEngine)
     router = engine._router
     assert router is not None
 
-    async def run() -> tuple[list[np.ndarray], np.ndarray]:
-        router.history = {}
+    async def run() -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None]:
+        router.history, router.references = {}, {}
         try:
             pieces = [piece.samples async for piece in engine.synthesize(request)]
-            (frames,) = router.history.values()
-            return pieces, np.stack(frames)
+            ((ticket, frames),) = router.history.items()
+            return pieces, np.stack(frames), router.references.get(ticket)
         finally:
             router.history = None
 
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), server.loop))
 
 
+def assert_seamless(chunked: np.ndarray, whole: np.ndarray) -> None:
+    assert chunked.shape == whole.shape
+    swing = float(np.ptp(whole))
+    assert swing > 0
+    assert float(np.abs(chunked - whole).max()) <= SEAM_TOLERANCE * swing
+
+
 async def test_a_websocket_utterance_streams_every_frame_the_talker_made(server: ServerThread) -> None:
     text = "Frames decoded by our own codec, one chunk at a time."
     async with websockets.connect(server.ws_url) as ws:
-        await configure(ws, response_format="pcm", stream_audio=True, voice="vivian")
+        await configure(ws, response_format="pcm", stream_audio=True, task_type="Base",
+                        ref_audio=wav_base64(reference(1.5)), ref_text=REF_TEXT)
         await send(ws, {"type": "input.text", "text": text})
         await send(ws, {"type": "input.done"})
         got = await recv_until(ws, "session.done", timeout=300)
@@ -75,22 +108,37 @@ async def test_a_websocket_utterance_streams_every_frame_the_talker_made(server:
 
 
 async def test_chunks_equal_one_whole_decode_of_the_same_frames(server: ServerThread) -> None:
+    """x-vector-only cloning: no reference codes, so the chunks equal a whole decode of the talker's frames."""
     text = "Every seam between chunks must be inaudible: the same samples as one whole decode. " * 2
-    pieces, frames = await on_loop(server, SynthesisRequest(request_id="own-seams", text=text, voice="ryan", seed=7))
+    pieces, frames, ref = await on_loop(server, SynthesisRequest(
+        request_id="own-seams", text=text, voice="default", task_type="Base", seed=7, x_vector_only_mode=True,
+        reference=VoiceSample.of(reference(1.5), RATE)))
+    assert ref is None
     assert len(frames) == frames_for(text) - 1 and len(pieces) > 3
     codec = server.engine_as(OmniEngine)._batcher.codec  # type: ignore[union-attr]
-    whole = codec.decode(frames[None])[0]
-    chunked = np.concatenate(pieces)
-    assert chunked.shape == whole.shape
-    swing = float(np.ptp(whole))
-    assert swing > 0
-    assert float(np.abs(chunked - whole).max()) <= SEAM_TOLERANCE * swing
+    assert_seamless(np.concatenate(pieces), codec.decode(frames[None])[0])
+
+
+async def test_a_cloned_voice_decodes_after_its_reference_codes(server: ServerThread) -> None:
+    """In-context cloning: the talker's reference codes (the last `codec_left_context_frames` of them, as
+    vllm-omni bounds its first chunk's) reach the server before the first frame, and the unit's chunks equal
+    the part after them of one whole decode of reference and frames, as vllm-omni's code2wav decodes it."""
+    text = "A cloned voice continues from its reference without a seam. " * 2
+    pieces, frames, ref = await on_loop(server, SynthesisRequest(
+        request_id="own-clone", text=text, voice="default", task_type="Base", seed=3, ref_text=REF_TEXT,
+        reference=VoiceSample.of(reference(1.5), RATE)))
+    assert ref is not None and ref.shape == (19, 16), "1.5 s of reference: 19 frames at 12.5 Hz"
+    assert len(frames) == frames_for(text) - 1 and len(pieces) > 3 and len(pieces[0]) == FRAME
+    codec = server.engine_as(OmniEngine)._batcher.codec  # type: ignore[union-attr]
+    whole = codec.decode(np.concatenate([ref, frames])[None])[0, len(ref) * FRAME:]
+    assert_seamless(np.concatenate(pieces), whole)
+    alone = codec.decode(frames[None])[0]
+    assert float(np.abs(alone[:FRAME] - whole[:FRAME]).max()) > SEAM_TOLERANCE * float(np.ptp(whole)), \
+        "the reference changes the first frame's audio: it was decoded as context"
 
 
 def test_settings_it_cannot_honour_are_refused_before_anything_starts(tmp_path: Path) -> None:
     base = write_qwen3_tts(tmp_path / "base", "base")
-    with pytest.raises(ValueError, match="cloned voices"):
-        OmniEngine(OmniConfig(model=str(base), pacing=None, own_codec=True))
     with pytest.raises(ValueError, match="no pacing or ramp"):
         OmniConfig(model=str(base), own_codec=True)
     with pytest.raises(ValueError, match="no pacing or ramp"):
