@@ -56,8 +56,11 @@ def vllm_omni_whole(codec: Qwen3Codec, frames: np.ndarray) -> np.ndarray:
     return np.asarray(wav[0, 0].float().numpy())
 
 
-def streamed(frames: np.ndarray, bursts: list[int], paced_s: float | None = None) -> list[DecodeWindow]:
+def streamed(frames: np.ndarray, bursts: list[int], paced_s: float | None = None,
+             context: np.ndarray | None = None) -> list[DecodeWindow]:
     streamer = ChunkStreamer(QWEN3_POLICY, QWEN3_POLICY.initial_frames, layout=QWEN3_LAYOUT)
+    if context is not None:
+        streamer.context(context)
     windows: list[DecodeWindow] = []
     at, now = 0, 0.0
     for size in bursts:
@@ -97,6 +100,26 @@ def test_paced_chunks_grow_with_the_talkers_lead_and_stay_seamless(codec: Qwen3C
     assert sizes[0] == 1 and max(sizes) == QWEN3_POLICY.steady_frames and len(windows) < 20
     chunked = np.concatenate([codec.decode(w.frames[None])[0, w.emit_start:w.emit_end] for w in windows])
     assert float(np.abs(chunked - vllm_omni_whole(codec, frames)).max()) <= TOLERANCE
+
+
+@pytest.mark.parametrize("paced_s", [None, 0.02], ids=["ramp", "paced"])
+def test_a_reference_is_left_context_that_no_chunk_covers(codec: Qwen3Codec, paced_s: float | None) -> None:
+    """A clone's reference codes given first (`ChunkStreamer.context`): the schedule is the unit's own (first
+    chunk one frame, the same chunk sizes as without them), the first windows reach back into the reference,
+    and the chunks equal the part after the reference of one whole decode of reference and frames."""
+    reference, frames = random_frames(30, seed=4), random_frames(60, seed=5)
+    windows = streamed(frames, [1] * 60, paced_s, context=reference)
+    plain = streamed(frames, [1] * 60, paced_s)
+    assert [w.chunk_frames for w in windows] == [w.chunk_frames for w in plain] and windows[0].chunk_frames == 1
+    assert windows[0].first_frame == -30 and windows[0].emit_start == 30 * SPF
+    chunked = np.concatenate([codec.decode(w.frames[None])[0, w.emit_start:w.emit_end] for w in windows])
+    whole = vllm_omni_whole(codec, np.concatenate([reference, frames]))[30 * SPF:]
+    assert chunked.shape == whole.shape == (60 * SPF,)
+    assert float(np.abs(chunked - whole).max()) <= TOLERANCE
+    late = ChunkStreamer(QWEN3_POLICY, 1, layout=QWEN3_LAYOUT)
+    late.push(frames[:1])
+    with pytest.raises(RuntimeError, match="before the unit's first frames"):
+        late.context(reference)
 
 
 def test_weights_are_read_from_the_speech_tokenizers_safetensors(model: Path, codec: Qwen3Codec,
