@@ -284,6 +284,11 @@ class OmniEngine:
         return self._info
 
     @property
+    def codec_batcher(self) -> CodecBatcher | None:
+        """voicewire's own codec batcher (`talker_codec.CodecEngine`) while one runs (`own_codec`), else None."""
+        return self._batcher
+
+    @property
     def task_type(self) -> str:
         """The one task this checkpoint runs: `CustomVoice`, `VoiceDesign` or `Base`."""
         return self.model.task_type

@@ -219,6 +219,11 @@ class TalkerEngine:
         return self._info
 
     @property
+    def codec_batcher(self) -> CodecBatcher:
+        """The codec batcher (`talker_codec.CodecEngine`)."""
+        return self._batcher
+
+    @property
     def stats(self) -> TalkerStats:
         return TalkerStats(**self._counts, steps=self._steps, codec=self._batcher.stats)
 

@@ -63,7 +63,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -610,6 +610,20 @@ def _snake_forward(self: Any, x: Any) -> Any:
 
     alpha = self.alpha
     return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+
+
+@runtime_checkable
+class CodecEngine(Protocol):
+    """An engine that decodes its audio in voicewire's own codec path (the talker engine; the omni engine
+    with `--omni-codec voicewire`): its batcher, None while it has none (not started, or another route)."""
+
+    @property
+    def codec_batcher(self) -> CodecBatcher | None: ...
+
+
+def engine_codec(engine: object) -> CodecBatcher | None:
+    """`engine`'s codec batcher (`CodecEngine`), or None for an engine without one."""
+    return engine.codec_batcher if isinstance(engine, CodecEngine) else None
 
 
 @dataclass(frozen=True, slots=True)

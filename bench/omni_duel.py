@@ -60,12 +60,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Final, cast
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 from voicewire.protocol.segmenter import Segmenter
 
 from bench.workload import Provenance, Stream, percentile, play, spread, table
@@ -219,6 +221,7 @@ class Server:
     def __init__(self, name: str, kind: str, model: Path, deploy: Path, log_dir: Path, cache_dir: Path,
                  concurrency: int, fields: dict[str, Any], extra_args: Sequence[str] = ()) -> None:
         self.name = name
+        self.kind = kind
         self.fields = fields
         """The request fields of this server's task type (`task_fields`)."""
         self.port = free_port()
@@ -646,17 +649,54 @@ def duel(clients: ProcessPoolExecutor, running: dict[str, Server], levels: list[
             seed0 = 1000 * (args.rounds * number + round_ + 1)
             for mode in modes:
                 for name, server in running.items():
+                    before = codec_figures(server)
                     got = clients.submit(run_clients, mode, server.url(mode), conc, wire(server, mode), TEXT,
                                          seed0).result()
                     measured = measure(got, rate)
+                    measured["codec"] = codec_moved(before, codec_figures(server))
                     level["rounds"][mode].setdefault(name, []).append(measured)
                     errors, ttfa = measured["errors"], percentile(measured["ttfa_ms"], 50)
                     print(f"{mode} c={conc} r{round_ + 1} {name}: TTFA p50 {ttfa:.0f} ms, "
                           f"{sum(1 for n in measured['stalls'] if n)}/{conc} stalled "
                           f"({sum(measured['stall_s']):.2f} s), {measured['audio_s_per_wall_s']:.1f} audio s/s, "
-                          f"errors {len(errors)}{': ' + errors[0] if errors else ''}", flush=True)
+                          f"errors {len(errors)}{': ' + errors[0] if errors else ''}{codec_line(measured['codec'])}",
+                          flush=True)
                     if args.out is not None:
                         (args.out / "omni_duel.json").write_text(json.dumps(results, indent=1))
+
+
+CODEC_COUNTERS: Final = ("batches", "windows", "frames", "decode_seconds", "late_windows", "fallbacks")
+
+
+def codec_figures(server: Server) -> dict[str, float] | None:
+    """voicewire's own codec figures now, from its `/metrics` (`voicewire_codec_*`, less the prefix and
+    `_total`), or None where there are none (vllm-omni's server; voicewire decoding in vllm-omni's code2wav)."""
+    if server.kind != "voicewire":
+        return None
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    figures = {sample.name.removeprefix("voicewire_codec_").removesuffix("_total"): sample.value
+               for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name.startswith("voicewire_codec_")}
+    return figures or None
+
+
+def codec_moved(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """The codec's work during a round (`CODEC_COUNTERS` moved), with its CUDA graphs and slowest call so far."""
+    if before is None or after is None:
+        return None
+    moved = {name: after[name] - before[name] for name in CODEC_COUNTERS}
+    return {**moved, "cuda_graphs": after["cuda_graphs"], "max_decode_seconds": after["max_decode_seconds"]}
+
+
+def codec_line(codec: dict[str, float] | None) -> str:
+    """The per-round line's codec part: decode calls, windows and ms per call, late windows, CUDA graphs."""
+    if not codec:
+        return ""
+    calls = max(codec["batches"], 1)
+    return (f"; codec {codec['batches']:.0f} calls, {codec['windows'] / calls:.1f} windows and "
+            f"{1000 * codec['decode_seconds'] / calls:.1f} ms a call, {codec['late_windows']:.0f} late, "
+            f"{codec['cuda_graphs']:.0f} CUDA graphs")
 
 
 async def _all_ready(servers: list[Server], timeout: float) -> list[BaseException | None]:

@@ -33,6 +33,7 @@ from typing import Any
 from aiohttp import web
 from voicewire.adapters.base import Engine
 from voicewire.adapters.registry import create_engine
+from voicewire.adapters.talker_codec import engine_codec
 from voicewire.adapters.workers import PoolHealth, pool_health
 from voicewire.protocol.session import CLOSE_POLICY
 from voicewire.realtime import admission
@@ -99,6 +100,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app[ARRIVING] = arriving
     metrics = server.metrics
     metrics.engine_workers.read = lambda: pool_health(engine)
+    metrics.codec.read = lambda: engine_codec(engine)
     app[STATE] = state = AppState(admission.Admission(metrics, settings.admission_utilization))
     metrics.engine_speed.set_function(lambda: state.admission.measure() or 0.0)
     metrics.capacity_streams.set_function(lambda: state.admission.capacity(_slots(server)) or 0.0)

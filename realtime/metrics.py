@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from voicewire.adapters.talker_codec import CodecBatcher
 from voicewire.adapters.workers import PoolHealth
 
 TTFA_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
@@ -79,6 +80,8 @@ class Metrics:
 
         self.engine_workers = _EngineWorkers()
         r.register(self.engine_workers)
+        self.codec = _Codec()
+        r.register(self.codec)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -117,3 +120,34 @@ class _EngineWorkers(Collector):
                                 "Engine requests waiting for a live worker with a free slot", value=health.waiting)
         yield CounterMetricFamily("voicewire_worker_restarts", "Engine worker processes started to replace one "
                                   "that died or was killed", value=health.restarts)
+
+
+class _Codec(Collector):
+    """voicewire's own codec path (`talker_codec.CodecBatcher`), read at scrape time (`read`, set by the app;
+    nothing is exported for an engine without one): decode calls, windows, frames and seconds since the
+    engine started, windows decoded after their deadline, the slowest call, CUDA graphs captured, batches
+    decoded again in float32."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], CodecBatcher | None] = lambda: None
+
+    def collect(self) -> Iterator[Metric]:
+        batcher = self.read()
+        if batcher is None:
+            return
+        s = batcher.stats
+        yield CounterMetricFamily("voicewire_codec_batches", "Codec decode calls (each a batch of equal-length "
+                                  "windows)", value=s.batches)
+        yield CounterMetricFamily("voicewire_codec_windows", "Chunk windows decoded", value=s.windows)
+        yield CounterMetricFamily("voicewire_codec_frames", "Codec frames decoded, left context included",
+                                  value=s.frames)
+        yield CounterMetricFamily("voicewire_codec_decode_seconds", "Time in codec decode calls (copies and "
+                                  "stream sync included)", value=s.decode_s)
+        yield CounterMetricFamily("voicewire_codec_late_windows", "Windows decoded after their deadline (the "
+                                  "audio before them had run out at the player's pace)", value=s.late)
+        yield CounterMetricFamily("voicewire_codec_fallbacks", "Batches decoded again in float32 (not finite in "
+                                  "reduced precision)", value=batcher.codec.fallbacks)
+        yield GaugeMetricFamily("voicewire_codec_max_decode_seconds", "The slowest codec decode call so far",
+                                value=s.max_decode_ms / 1000)
+        yield GaugeMetricFamily("voicewire_codec_cuda_graphs", "CUDA graphs the codec captured (0 on a CPU: "
+                                "it decodes eagerly)", value=batcher.codec.graph_shapes)

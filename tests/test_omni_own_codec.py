@@ -13,9 +13,11 @@ import wave
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("vllm_omni", reason="vllm-omni is not installed (extra omni-cpu, docs/engines.md)")
 
@@ -135,6 +137,31 @@ async def test_a_cloned_voice_decodes_after_its_reference_codes(server: ServerTh
     alone = codec.decode(frames[None])[0]
     assert float(np.abs(alone[:FRAME] - whole[:FRAME]).max()) > SEAM_TOLERANCE * float(np.ptp(whole)), \
         "the reference changes the first frame's audio: it was decoded as context"
+
+
+def codec_figures(server: ServerThread) -> dict[str, float]:
+    response = httpx.get(server.http_url + "/metrics")
+    assert response.status_code == 200
+    return {s.name: s.value for family in text_string_to_metric_families(response.text) for s in family.samples
+            if s.name.startswith("voicewire_codec_")}
+
+
+async def test_metrics_count_the_codecs_work(server: ServerThread) -> None:
+    """`GET /metrics` exports the codec path's figures, and they move by what one unit's chunks cost: one
+    window per chunk, its frames with their left context, at least one decode call, no CUDA graph on a CPU."""
+    before = await asyncio.to_thread(codec_figures, server)
+    text = "Counted by the codec's own figures."
+    pieces, frames, _ = await on_loop(server, SynthesisRequest(
+        request_id="own-metrics", text=text, voice="default", task_type="Base", x_vector_only_mode=True,
+        reference=VoiceSample.of(reference(1.5), RATE)))
+    after = await asyncio.to_thread(codec_figures, server)
+    moved = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert moved["voicewire_codec_windows_total"] == len(pieces) > 1
+    assert 1 <= moved["voicewire_codec_batches_total"] <= len(pieces)
+    assert moved["voicewire_codec_frames_total"] >= len(frames)
+    assert moved["voicewire_codec_decode_seconds_total"] > 0
+    assert after["voicewire_codec_max_decode_seconds"] > 0
+    assert after["voicewire_codec_cuda_graphs"] == 0 and after["voicewire_codec_fallbacks_total"] == 0
 
 
 def test_settings_it_cannot_honour_are_refused_before_anything_starts(tmp_path: Path) -> None:

@@ -41,6 +41,8 @@ def test_metrics_parse_and_move_when_speech_is_made(server: ServerThread) -> Non
     for family in ("voicewire_sessions_open", "voicewire_engine_queue_depth", "voicewire_engine_slots_in_use",
                    "voicewire_rest_speech_in_flight"):
         assert (family, frozenset()) in before, family
+    assert not [name for name, _ in before if name.startswith("voicewire_codec_")], \
+        "an engine without voicewire's codec path exports no codec figures"
 
     speech = httpx.post(server.http_url + "/v1/audio/speech", timeout=60, json={
         "model": "tts-1", "voice": "alloy", "input": "Counting sheep. One more sheep.", "response_format": "pcm"})
