@@ -9,7 +9,9 @@ bucket, window length) on a GPU, padded to the bucket.
 
 The decoder is causal (causal convolutions, a sliding-window transformer), so a chunk decoded with enough
 frames of left context equals the whole sequence's decode at the same place: no lookahead, no stand-in
-frames (`QWEN3_POLICY`). vllm-omni streams with `codec_left_context_frames` 72 (the decoder's sliding
+frames (`QWEN3_POLICY`). For the same reason a window padded at its end decodes its own frames unchanged
+(`GraphedCodec.causal`): the batcher pads every window to the next captured length, so windows of nearby
+lengths share a call and none decodes eagerly. vllm-omni streams with `codec_left_context_frames` 72 (the decoder's sliding
 window); the tiny test decoder is exact to 1e-7 from 8 frames.
 
 A frame is 16 codes (one per quantizer, the talker's codebook 0 first) and 1920 samples at 24 kHz (80 ms).
@@ -46,6 +48,7 @@ class Qwen3Codec(GraphedCodec):
     Runs in float32 by default, as vllm-omni's code2wav stage does. Needs vllm-omni installed."""
 
     layout = QWEN3_LAYOUT
+    causal = True
 
     def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "float32",
                  cuda_graphs: bool = True, random_weights: bool = False) -> None:

@@ -307,6 +307,13 @@ class ChunkStreamer:
         return self._codes
 
 
+def padded(frames: CodeFrames, length: int) -> CodeFrames:
+    """`frames` (n, codes per frame) with copies of the last frame appended up to `length` rows (as they are
+    when n is `length` or more)."""
+    missing = length - len(frames)
+    return frames if missing <= 0 else np.concatenate([frames, np.repeat(frames[-1:], missing, axis=0)])
+
+
 def graph_plan(lengths: Sequence[int], max_batch: int, batches: Sequence[int],
                max_frames: int | None = None) -> list[tuple[int, int]]:
     """Every (batch bucket, window length) shape to capture for windows of `lengths` frames in batches of up
@@ -367,10 +374,16 @@ class GraphedCodec:
     three launches (codes in, graph, audio out) and one stream sync instead of hundreds of kernels and Python
     dispatches that each take and give back the GIL. A batch is padded with code-0 rows up to its bucket;
     shapes without a graph (longer windows, or on the CPU) run eagerly. `fallbacks` counts batches decoded
-    again in float32."""
+    again in float32.
+
+    A `causal` decoder (no sample depends on a later frame) decodes a window padded at its end with copies of
+    its last frame to any longer length, its samples unchanged: `CodecBatcher` pads each window to the next
+    length given to `prepare()` (`padded_length`), so windows of nearby lengths share one call and every one
+    meets a captured graph."""
 
     GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64)
     layout: FrameLayout = SNAC_LAYOUT
+    causal: bool = False
 
     def __init__(self, device: str = "auto", dtype: str = "auto", cuda_graphs: bool = True) -> None:
         self.device = device
@@ -386,6 +399,8 @@ class GraphedCodec:
         self._pool: Any = None
         self._captured = 0
         """Graphs captured into `_pool` so far (`prepare`)."""
+        self._lengths: tuple[int, ...] = ()
+        """The window lengths given to `prepare()`, ascending (on every device)."""
         self._buffers: Any = None
 
     def load(self) -> None:
@@ -420,6 +435,13 @@ class GraphedCodec:
         """The window lengths (frames) with captured graphs, ascending."""
         return tuple(sorted(self._graph_batches))
 
+    def padded_length(self, frames: int) -> int:
+        """The length a window of `frames` frames is decoded at: for a `causal` decoder the next length given
+        to `prepare()` (the window padded at its end), else (or past the longest) `frames` itself."""
+        if not self.causal:
+            return frames
+        return next((n for n in self._lengths if n >= frames), frames)
+
     def prepare(self, lengths: Sequence[int], max_batch: int, max_batch_frames: int | None = None) -> None:
         """On CUDA with `cuda_graphs`: capture a graph for each window length in `lengths` and every batch
         bucket up to `max_batch` windows and `max_batch_frames` frames (`graph_plan`: the shapes
@@ -438,6 +460,7 @@ class GraphedCodec:
         torch = self._torch
         if torch is None:
             raise RuntimeError("codec: not loaded (call load() first)")
+        self._lengths = tuple(sorted(set(lengths)))
         if not (self.cuda_graphs and self.device.startswith("cuda")) or not lengths:
             return
         shapes = graph_plan(lengths, max_batch, self.GRAPH_BATCHES, max_batch_frames)
@@ -647,6 +670,8 @@ class _Job:
     deadline: float
     future: asyncio.Future[FloatAudio]
     times: list[float] | None
+    length: int
+    """The window's decoded length (`GraphedCodec.padded_length`)."""
 
 
 class CodecBatcher:
@@ -726,8 +751,10 @@ class CodecBatcher:
         if self._wake is None:
             raise RuntimeError("talker codec: batcher not started")
         future: asyncio.Future[FloatAudio] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Job(window, time.perf_counter() if deadline is None else deadline, future, times))
-        self._queued_rows += len(window.frames)
+        length = self.codec.padded_length(len(window.frames))
+        self._queue.append(_Job(window, time.perf_counter() if deadline is None else deadline, future, times,
+                                length))
+        self._queued_rows += length
         self._wake.set()
         return await future
 
@@ -741,20 +768,19 @@ class CodecBatcher:
                 self._queue = [job for job in self._queue if not job.future.done()]
                 if not self._queue:
                     break
-                urgent = min(self._queue, key=lambda job: job.deadline)
-                length = len(urgent.window.frames)
-                group = sorted((job for job in self._queue if len(job.window.frames) == length),
+                length = min(self._queue, key=lambda job: job.deadline).length
+                group = sorted((job for job in self._queue if job.length == length),
                                key=lambda job: job.deadline)[:self._batch_size(length)]
                 taken = {id(job) for job in group}
                 self._queue = [job for job in self._queue if id(job) not in taken]
-                self._queued_rows = sum(len(job.window.frames) for job in self._queue)
+                self._queued_rows = sum(job.length for job in self._queue)
                 await self._decode_batch(loop, group)
 
     def _batch_size(self, length: int) -> int:
         return batch_size(length, self.max_batch, self.max_batch_frames, self.codec.graph_buckets(length))
 
     async def _decode_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Job]) -> None:
-        codes = np.stack([job.window.frames for job in batch])
+        codes = np.stack([padded(job.window.frames, job.length) for job in batch])
         rows = codes.shape[0] * codes.shape[1]
         began = time.perf_counter()
         self._in_flight = (began, rows)

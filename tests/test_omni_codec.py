@@ -159,3 +159,22 @@ async def test_the_batcher_decodes_concurrent_streams_windows_together(codec: Qw
     for windows, audio in zip(streams, firsts, strict=True):
         expected = codec.decode(windows[0].frames[None])[0, windows[0].emit_start:windows[0].emit_end]
         np.testing.assert_allclose(audio, expected, atol=TOLERANCE)
+
+
+async def test_windows_are_padded_at_their_end_to_the_next_prepared_length(codec: Qwen3Codec) -> None:
+    """The decoder is causal: windows of 3, 4 and 14 frames, padded with copies of their last frame to the
+    prepared lengths 4 and 16, decode in two calls (3 and 4 together) to exactly their own samples."""
+    windows = [DecodeWindow(0, random_frames(n, seed), 0, n * SPF, n) for seed, n in enumerate((3, 4, 14))]
+    codec.prepare((1, 2, 4, 8, 16), max_batch=4)
+    batcher = CodecBatcher(codec, max_batch=4, max_batch_frames=64)
+    batcher.start()
+    try:
+        assert [codec.padded_length(n) for n in (1, 3, 4, 14, 16, 17)] == [1, 4, 4, 16, 16, 17]
+        audio = await asyncio.gather(*(batcher.decode(window) for window in windows))
+    finally:
+        await batcher.close()
+        codec.prepare((), max_batch=4)
+    assert batcher.stats.batches == 2 and batcher.stats.frames == 2 * 4 + 16
+    for window, got in zip(windows, audio, strict=True):
+        assert got.shape == (len(window.frames) * SPF,)
+        np.testing.assert_allclose(got, codec.decode(window.frames[None])[0], atol=TOLERANCE)
