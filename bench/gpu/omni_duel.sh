@@ -45,7 +45,7 @@ assert all(u.find_spec(m) for m in ("vllm", "vllm_omni", "uvicorn", "snac", "sox
   for f in "$OUT"/duel/*.log; do
     [ -f "$f" ] || continue
     echo "== $f (selected lines)"
-    grep -aE 'Error|Traceback|ready|Uvicorn running|Captur|postload|KV cache|init engine|Failed to use custom|voicewire_qwen3_tts_paced' "$f" | tail -15
+    grep -aE 'Error|Traceback|ready|Uvicorn running|Captur|postload|KV cache|init engine|Failed to use custom|voicewire_qwen3_tts_paced|talker codec' "$f" | tail -15
   done
   trim_logs "$OUT/duel"
   ls -la "$OUT" "$OUT/duel"
