@@ -11,8 +11,8 @@ The decoder is causal (causal convolutions, a sliding-window transformer), so a 
 frames of left context equals the whole sequence's decode at the same place: no lookahead, no stand-in
 frames (`QWEN3_POLICY`). For the same reason a window padded at its end decodes its own frames unchanged
 (`GraphedCodec.causal`): the batcher pads every window to the next captured length, so windows of nearby
-lengths share a call and none decodes eagerly. vllm-omni streams with `codec_left_context_frames` 72 (the decoder's sliding
-window); the tiny test decoder is exact to 1e-7 from 8 frames.
+lengths share a call and none decodes eagerly. vllm-omni streams with `codec_left_context_frames` 72 (the
+decoder's sliding window); the tiny test decoder is exact to 1e-7 from 8 frames.
 
 A frame is 16 codes (one per quantizer, the talker's codebook 0 first) and 1920 samples at 24 kHz (80 ms).
 """
