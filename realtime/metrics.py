@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -13,6 +14,8 @@ from voicewire.adapters.talker_codec import CodecBatcher
 from voicewire.adapters.workers import PoolHealth
 
 TTFA_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+T = TypeVar("T")
+
 GC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
@@ -78,9 +81,9 @@ class Metrics:
                                   "session's audio waits for them), by generation", ["generation"],
                                   buckets=GC_BUCKETS, registry=r)
 
-        self.engine_workers = _EngineWorkers()
+        self.engine_workers = _ReadAtScrape(_worker_families)
         r.register(self.engine_workers)
-        self.codec = _Codec()
+        self.codec = _ReadAtScrape(_codec_families)
         r.register(self.codec)
 
     def render(self) -> bytes:
@@ -101,53 +104,50 @@ class Metrics:
         return lambda: gc.callbacks.remove(on_gc)
 
 
-class _EngineWorkers(Collector):
-    """`voicewire_engine_workers{state}` and `voicewire_worker_restarts_total`, read from the engine's worker
-    pool at scrape time (`read`, set by the app; nothing is exported for an in-process engine)."""
+class _ReadAtScrape(Collector, Generic[T]):
+    """Metric families made at scrape time (`families`) from what `read` returns then (set by the app; None:
+    nothing is exported)."""
 
-    def __init__(self) -> None:
-        self.read: Callable[[], PoolHealth | None] = lambda: None
-
-    def collect(self) -> Iterator[Metric]:
-        health = self.read()
-        if health is None:
-            return
-        workers = GaugeMetricFamily("voicewire_engine_workers", "Engine worker processes by state", labels=["state"])
-        for state, count in health.counts().items():
-            workers.add_metric([state], count)
-        yield workers
-        yield GaugeMetricFamily("voicewire_engine_requests_waiting_for_worker",
-                                "Engine requests waiting for a live worker with a free slot", value=health.waiting)
-        yield CounterMetricFamily("voicewire_worker_restarts", "Engine worker processes started to replace one "
-                                  "that died or was killed", value=health.restarts)
-
-
-class _Codec(Collector):
-    """voicewire's own codec path (`talker_codec.CodecBatcher`), read at scrape time (`read`, set by the app;
-    nothing is exported for an engine without one): decode calls, windows, frames and seconds since the
-    engine started, windows decoded after their deadline, the slowest call, CUDA graphs captured, batches
-    decoded again in float32."""
-
-    def __init__(self) -> None:
-        self.read: Callable[[], CodecBatcher | None] = lambda: None
+    def __init__(self, families: Callable[[T], Iterator[Metric]]) -> None:
+        self.read: Callable[[], T | None] = lambda: None
+        self._families = families
 
     def collect(self) -> Iterator[Metric]:
-        batcher = self.read()
-        if batcher is None:
-            return
-        s = batcher.stats
-        yield CounterMetricFamily("voicewire_codec_batches", "Codec decode calls (each a batch of equal-length "
-                                  "windows)", value=s.batches)
-        yield CounterMetricFamily("voicewire_codec_windows", "Chunk windows decoded", value=s.windows)
-        yield CounterMetricFamily("voicewire_codec_frames", "Codec frames decoded, left context included",
-                                  value=s.frames)
-        yield CounterMetricFamily("voicewire_codec_decode_seconds", "Time in codec decode calls (copies and "
-                                  "stream sync included)", value=s.decode_s)
-        yield CounterMetricFamily("voicewire_codec_late_windows", "Windows decoded after their deadline (the "
-                                  "audio before them had run out at the player's pace)", value=s.late)
-        yield CounterMetricFamily("voicewire_codec_fallbacks", "Batches decoded again in float32 (not finite in "
-                                  "reduced precision)", value=batcher.codec.fallbacks)
-        yield GaugeMetricFamily("voicewire_codec_max_decode_seconds", "The slowest codec decode call so far",
-                                value=s.max_decode_ms / 1000)
-        yield GaugeMetricFamily("voicewire_codec_cuda_graphs", "CUDA graphs the codec captured (0 on a CPU: "
-                                "it decodes eagerly)", value=batcher.codec.graph_shapes)
+        value = self.read()
+        if value is not None:
+            yield from self._families(value)
+
+
+def _worker_families(health: PoolHealth) -> Iterator[Metric]:
+    """`voicewire_engine_workers{state}` and `voicewire_worker_restarts_total`, from the engine's worker pool
+    (an in-process engine has none)."""
+    workers = GaugeMetricFamily("voicewire_engine_workers", "Engine worker processes by state", labels=["state"])
+    for state, count in health.counts().items():
+        workers.add_metric([state], count)
+    yield workers
+    yield GaugeMetricFamily("voicewire_engine_requests_waiting_for_worker",
+                            "Engine requests waiting for a live worker with a free slot", value=health.waiting)
+    yield CounterMetricFamily("voicewire_worker_restarts", "Engine worker processes started to replace one "
+                              "that died or was killed", value=health.restarts)
+
+
+def _codec_families(batcher: CodecBatcher) -> Iterator[Metric]:
+    """voicewire's own codec path (`talker_codec.CodecBatcher`; an engine without one has none): decode calls,
+    windows, frames and seconds since the engine started, windows decoded after their deadline, the slowest
+    call, CUDA graphs captured, batches decoded again in float32."""
+    s = batcher.stats
+    yield CounterMetricFamily("voicewire_codec_batches", "Codec decode calls (each a batch of equal-length "
+                              "windows)", value=s.batches)
+    yield CounterMetricFamily("voicewire_codec_windows", "Chunk windows decoded", value=s.windows)
+    yield CounterMetricFamily("voicewire_codec_frames", "Codec frames decoded, left context included",
+                              value=s.frames)
+    yield CounterMetricFamily("voicewire_codec_decode_seconds", "Time in codec decode calls (copies and "
+                              "stream sync included)", value=s.decode_s)
+    yield CounterMetricFamily("voicewire_codec_late_windows", "Windows decoded after their deadline (the "
+                              "audio before them had run out at the player's pace)", value=s.late)
+    yield CounterMetricFamily("voicewire_codec_fallbacks", "Batches decoded again in float32 (not finite in "
+                              "reduced precision)", value=batcher.codec.fallbacks)
+    yield GaugeMetricFamily("voicewire_codec_max_decode_seconds", "The slowest codec decode call so far",
+                            value=s.max_decode_ms / 1000)
+    yield GaugeMetricFamily("voicewire_codec_cuda_graphs", "CUDA graphs the codec captured (0 on a CPU: "
+                            "it decodes eagerly)", value=batcher.codec.graph_shapes)
