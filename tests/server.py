@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 import subprocess
@@ -27,9 +28,20 @@ API_KEY = "test-key-0123456789"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing holds now (it may be taken before its user binds it)."""
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports on 127.0.0.1 that nothing holds now: all are held at once while they are
+    chosen, so no two are the same (ports chosen one after another may repeat once the first is let go, and
+    a process that binds the repeat first, e.g. HAProxy starting before the servers it balances, keeps the
+    other user off its port)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 class Loopback:

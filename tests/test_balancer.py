@@ -35,7 +35,7 @@ from websockets.asyncio.client import ClientConnection
 
 from tests.proxy import Proxy
 from tests.rest_audio import tone
-from tests.server import Loopback, free_port
+from tests.server import Loopback, free_ports
 from tests.wsclient import Received, configure, recv_until, send
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,9 +94,9 @@ class Cluster(Loopback):
         keys.write_text(f"# the balancer test's key\n{KEY}\n")
         args = [*engine_args, "--voices-dir", str(self.voices), "--api-keys-file", str(keys),
                 "--trust-forwarded-for"]
-        self.backends = {name: Backend(name, free_port(), root / f"{name}.log", [*args, "--server-id", name])
-                         for name in NAMES}
-        self.port, self.stats_port = free_port(), free_port()
+        *ports, self.port, self.stats_port = free_ports(len(NAMES) + 2)
+        self.backends = {name: Backend(name, port, root / f"{name}.log", [*args, "--server-id", name])
+                         for name, port in zip(NAMES, ports, strict=True)}
         env = {**os.environ, "VOICEWIRE_BALANCER_BIND": f"127.0.0.1:{self.port}",
                "VOICEWIRE_STATS_BIND": f"127.0.0.1:{self.stats_port}"}
         for index, backend in enumerate(self.backends.values()):
@@ -151,7 +151,7 @@ class Cluster(Loopback):
 
         def up() -> bool:
             dead = [backend.log.name for backend in self.backends.values() if not backend.running]
-            assert not dead, f"a server exited while starting; see {', '.join(dead)} in {self.root}"
+            assert not dead, f"a server exited while starting; see {', '.join(dead)} in {self.root}\n{self.explain()}"
             # UP after a check that passed: before its first check HAProxy shows a server UP (check status
             # INI), so a cluster read that early would look ready while its servers are still starting.
             rows = self.stats().values()
