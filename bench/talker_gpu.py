@@ -24,7 +24,8 @@ round, each chunk in `talker_gpu.json` under `late_windows`). Beside the stages,
 loop spends handing the level's C requests to vLLM back to back (`TalkerEngine.frontend_seconds`: prompt,
 sampling parameters, vLLM's `add_request`; aborted at once), the part of a burst's "client -> engine call"
 that is vLLM's own frontend rather than the serving path. `--frontend-only` measures that alone, without
-sessions, at levels a CPU cannot serve (`--shape tiny --frontend-only --concurrency 64,128 --rounds 10`).
+sessions, at levels a CPU cannot serve (`--shape tiny --frontend-only --concurrency 64,128 --rounds 10`), with
+the CPU the loop's thread spent meanwhile (what the burst's other sessions wait behind).
 
 Before the server starts, a codec micro-benchmark (CUDA only): the SNAC decoder alone, float32 eager (the
 previous engine) against the engine's float16 CUDA graphs, per (batch, window frames), and the float16
@@ -207,12 +208,16 @@ async def raw_talker(engine: TalkerEngine, concurrency: int, text: str, tag: str
     return list(await asyncio.gather(*(one(i) for i in range(concurrency))))
 
 
-async def frontend_ms(engine: TalkerEngine, concurrency: int, text: str, tag: str) -> float:
-    """ms the server's loop spends handing C requests (this level's units) to vLLM back to back
-    (`TalkerEngine.frontend_seconds`): vLLM's share of the "client -> engine call" stage of a burst."""
+async def frontend_ms(engine: TalkerEngine, concurrency: int, text: str, tag: str) -> tuple[float, float]:
+    """Run on the server's loop: ms from handing C requests (this level's units) to the engine at once until
+    the last is in vLLM (`TalkerEngine.frontend_seconds`), vLLM's share of the "client -> engine call" stage
+    of a burst; and the ms of CPU the loop's thread spent meanwhile (what the burst's other sessions wait for;
+    the tokenizer's own thread not included)."""
     requests = [SynthesisRequest(request_id=f"frontend-{tag}-{index}", text=text, voice="tara", seed=index)
                 for index in range(concurrency)]
-    return 1000.0 * await engine.frontend_seconds(requests)
+    cpu = time.thread_time()
+    wall = await engine.frontend_seconds(requests)
+    return 1000.0 * wall, 1000.0 * (time.thread_time() - cpu)
 
 
 # -- codec alone (CUDA) -----------------------------------------------------------------------------------
@@ -347,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         results["provenance"] = ended.as_dict()
         print(ended.line())
         if args.frontend_only:
-            print(table(["conc", "rounds", "vLLM frontend, C requests ms", "per request us"], summary), flush=True)
+            print(table(["conc", "rounds", "vLLM frontend, C requests ms", "per request us", "of it the loop's CPU ms",
+                         "loop CPU per request us"], summary), flush=True)
         else:
             _report(rows, stage_rows, summary)
         if args.out is not None:
@@ -362,11 +368,13 @@ def _frontend_levels(args: argparse.Namespace, levels: list[tuple[int, int | Non
     """`--frontend-only`: per level one warm-up, then `--rounds` rounds of `frontend_ms`."""
     for number, (conc, _) in enumerate(levels):
         server.call(functools.partial(frontend_ms, engine, conc, TEXT, f"warm{number}"), timeout=600)
-        spent_ms = [server.call(functools.partial(frontend_ms, engine, conc, TEXT, f"f{number}r{round_}"),
-                                timeout=600) for round_ in range(args.rounds)]
-        results["levels"].append({"concurrency": conc, "frontend_ms": spent_ms})
+        spent = [server.call(functools.partial(frontend_ms, engine, conc, TEXT, f"f{number}r{round_}"),
+                             timeout=600) for round_ in range(args.rounds)]
+        spent_ms, loop_ms = [wall for wall, _ in spent], [cpu for _, cpu in spent]
+        results["levels"].append({"concurrency": conc, "frontend_ms": spent_ms, "loop_cpu_ms": loop_ms})
         summary.append([conc, len(spent_ms), spread(spent_ms, "{:.1f}"),
-                        spread([1000.0 * ms / conc for ms in spent_ms], "{:.0f}")])
+                        spread([1000.0 * ms / conc for ms in spent_ms], "{:.0f}"), spread(loop_ms, "{:.1f}"),
+                        spread([1000.0 * ms / conc for ms in loop_ms], "{:.0f}")])
 
 
 def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engine: TalkerEngine,
@@ -396,8 +404,8 @@ def _levels(args: argparse.Namespace, levels: list[tuple[int, int | None]], engi
                     after = engine.stats
                     raw = server.call(functools.partial(raw_talker, engine, conc, TEXT, f"m{number}r{round_}"),
                                       timeout=600)
-                    frontend = server.call(functools.partial(frontend_ms, engine, conc, TEXT, f"m{number}r{round_}"),
-                                           timeout=600)
+                    frontend, _ = server.call(functools.partial(frontend_ms, engine, conc, TEXT,
+                                                                f"m{number}r{round_}"), timeout=600)
                     streams = [play(sent, arrivals, SAMPLE_RATE) for sent, arrivals, _ in got]
                     first_sent = min(sent for sent, _, _ in got)
                     last_byte = max(arrivals[-1][0] for _, arrivals, _ in got)
