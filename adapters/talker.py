@@ -43,6 +43,7 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 from voicewire.adapters.base import RequestCounts, counted_outcome
+from voicewire.adapters.batch_encode import BatchEncoder
 from voicewire.adapters.registry import TALKER
 from voicewire.adapters.talker_codec import (
     ChunkPolicy,
@@ -157,6 +158,8 @@ class TalkerVoice:
 class _Tokenizer(Protocol):
     def encode(self, text: str) -> Any: ...
 
+    def encode_batch(self, texts: Sequence[str]) -> Sequence[Any]: ...
+
 
 class _RequestOutput(Protocol):
     """The fields of vLLM's `RequestOutput` read here (vLLM ships no type hints we can rely on)."""
@@ -209,6 +212,7 @@ class TalkerEngine:
         self._codec = SnacCodec(config.codec_model, config.codec_device, config.codec_dtype, config.codec_cuda_graphs)
         self._batcher = CodecBatcher(self._codec, config.codec_max_batch, config.codec_max_batch_frames)
         self._tokenizer: _Tokenizer | None = None
+        self._encoder: BatchEncoder | None = None
         self._llm: Any = None
         self._counts: dict[str, int] = {}
         self._steps = StepStats()
@@ -248,6 +252,7 @@ class TalkerEngine:
 
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # one host: vLLM's address discovery is not needed
         self._tokenizer = cast(_Tokenizer, Tokenizer.from_file(str(Path(self.config.talker_model) / "tokenizer.json")))
+        self._encoder = BatchEncoder(self._tokenizer)
         await asyncio.to_thread(self._codec.load)
         self._batcher.start()
         # The codec's CUDA graphs are captured on the codec thread while vLLM starts (~1.2 s per shape).
@@ -272,18 +277,21 @@ class TalkerEngine:
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
+        encoder, self._encoder = self._encoder, None
+        if encoder is not None:
+            encoder.close()
 
     def synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         return self._synthesize(request)
 
     def prompt_token_ids(self, voice: str, text: str) -> list[int]:
-        """The unit's prompt exactly as sent to the talker (Orpheus' format)."""
+        """The unit's prompt exactly as sent to the talker (Orpheus' format), tokenized on the calling thread
+        (`synthesize` tokenizes in batches off the loop, to the same ids)."""
         tokenizer = self._tokenizer
         if tokenizer is None:
             raise RuntimeError("talker: engine is not started (call start() first)")
         entry = self._voices[voice]
-        spoken = f"{voice}: {text}" if entry.name_prefix else text
-        return build_prompt(entry.prefix_token_ids, list(tokenizer.encode(spoken).ids))
+        return build_prompt(entry.prefix_token_ids, list(tokenizer.encode(_spoken(entry, text)).ids))
 
     def unit_frames(self, text: str, max_new_tokens: int | None = None) -> int:
         """Random-weight mode: the forced length of a unit in frames."""
@@ -296,19 +304,23 @@ class TalkerEngine:
         """The talker alone for one unit (same prompt and sampling as `synthesize`, no codec): yields the
         number of tokens of each streamed output. For benchmarks that measure what the serving path adds;
         closing it aborts the request."""
-        async with contextlib.aclosing(self._outputs(request, self._prompt(request))) as outputs:
+        async with contextlib.aclosing(self._outputs(request, await self._prompt(request))) as outputs:
             async for output in outputs:
                 yield len(output.outputs[0].token_ids)
 
     async def frontend_seconds(self, requests: Sequence[SynthesisRequest]) -> float:
-        """For benchmarks: the seconds this event loop spends handing `requests` to vLLM back to back (each
-        one's prompt and sampling parameters, then vLLM's `add_request`), which is what a synchronized burst
-        of sessions pays before its last request reaches vLLM's engine core. All are aborted afterwards."""
+        """For benchmarks: the seconds from handing `requests` to this engine at once (each one's prompt,
+        tokenized in batches off the loop, and sampling parameters, then vLLM's `add_request`) until the last
+        has reached vLLM, which is what a synchronized burst of sessions pays before its last request reaches
+        vLLM's engine core. All are aborted afterwards."""
         llm = self._started_llm()
+
+        async def add(request: SynthesisRequest) -> None:
+            await llm.add_request(request.request_id, await self._prompt(request), self._sampling_params(request))
+
         began = time.perf_counter()
         try:
-            for request in requests:
-                await llm.add_request(request.request_id, self._prompt(request), self._sampling_params(request))
+            await asyncio.gather(*(add(request) for request in requests))
             return time.perf_counter() - began
         finally:
             await llm.abort([request.request_id for request in requests])
@@ -321,13 +333,17 @@ class TalkerEngine:
             raise RuntimeError("talker: engine is not started (call start() first)")
         return self._llm
 
-    def _prompt(self, request: SynthesisRequest) -> dict[str, Any]:
+    async def _prompt(self, request: SynthesisRequest) -> dict[str, Any]:
         voice = self._voices.get(request.voice)
         if voice is None:
             raise ValueError(f"talker: unknown voice {request.voice!r}; available: {', '.join(self._voices)}")
+        encoder = self._encoder
+        if encoder is None:
+            raise RuntimeError("talker: engine is not started (call start() first)")
+        ids = await encoder.encode(_spoken(voice, request.text))
         # Already tokenized ("type": "token"): vLLM takes it as rendered input, validated on the server's loop,
         # where a plain prompt dict goes through its preprocessing (on 0.30, a hop to its renderer's threads).
-        return {"type": "token", "prompt_token_ids": self.prompt_token_ids(voice.name, request.text),
+        return {"type": "token", "prompt_token_ids": build_prompt(voice.prefix_token_ids, ids),
                 "cache_salt": voice.cache_salt}
 
     async def _outputs(self, request: SynthesisRequest, prompt: dict[str, Any]) -> AsyncGenerator[_RequestOutput]:
@@ -349,16 +365,16 @@ class TalkerEngine:
     async def _synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         if request.speed != 1.0:
             raise ValueError(f"talker: speed {request.speed} is outside the native range 1.0..1.0")
-        prompt = self._prompt(request)
+        trace: dict[str, float] | None = None
+        if self._trace is not None:
+            trace = self._trace[request.request_id] = {"call": time.perf_counter(), "seed": float(request.seed or 0)}
+        prompt = await self._prompt(request)
         initial = request.initial_codec_chunk_frames or self.config.chunks.initial_frames
         streamer = ChunkStreamer(self.config.chunks, initial, window_lengths=self._codec.graph_lengths)
         parser = FrameParser(any_token_is_code=self.config.random_weights)
         count = self._count
         count("started", 1)
         count("prompt_tokens", len(prompt["prompt_token_ids"]))
-        trace: dict[str, float] | None = None
-        if self._trace is not None:
-            trace = self._trace[request.request_id] = {"call": time.perf_counter(), "seed": float(request.seed or 0)}
 
         async def due_windows() -> AsyncGenerator[DecodeWindow]:
             """The unit's chunks to decode, in order, as the talker's frames make them due."""
@@ -499,6 +515,11 @@ class TalkerEngine:
         """Add to one counter of `TalkerStats` (a dict update: this runs for every streamed output)."""
         counts = self._counts
         counts[name] = counts.get(name, 0) + value
+
+
+def _spoken(voice: TalkerVoice, text: str) -> str:
+    """The text turn of a unit's prompt: `"{voice}: {text}"` for voices that say their name first."""
+    return f"{voice.name}: {text}" if voice.name_prefix else text
 
 
 def _trace_late(trace: dict[str, float], index: int, cut: float, deadline: float, backlog: float,

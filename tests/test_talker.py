@@ -101,6 +101,27 @@ def test_prompts_are_orpheus_prompts(talker_server: ServerThread) -> None:
         assert talker.prompt_token_ids(voice, text) == [*prefix, 128259, *spoken, 128009, 128260, 128261, 128257]
 
 
+async def test_units_reach_the_talker_as_those_prompts(talker_server: ServerThread) -> None:
+    """What the sessions' units hand vLLM (tokenized in batches off the loop, `test_batch_encode.py`) are the
+    prompts above: the engine's count of prompt tokens grows by exactly theirs, for sessions speaking at once."""
+    talker = engine(talker_server)
+    # `tara` only: a first use of `leo` or `zoe` must stay for the prefix-cache test below.
+    sessions = [["Hi there.", "How are you today?"], ["Numbers: 1,234.5 stay text.", "Bye!"]]
+    before = talker.stats.prompt_tokens
+
+    async def speak(sentences: list[str]) -> Received:
+        async with websockets.connect(talker_server.ws_url) as ws:
+            await configure(ws, voice="tara", split_granularity="sentence", response_format="pcm")
+            await send(ws, {"type": "input.text", "text": " ".join(sentences)})
+            await send(ws, {"type": "input.done"})
+            return await recv_until(ws, "session.done", timeout=300)
+
+    for got in await asyncio.gather(*(speak(sentences) for sentences in sessions)):
+        assert not got.of("error") and got.of("session.done")[0]["total_sentences"] == 2, got.types()
+    expected = sum(len(talker.prompt_token_ids("tara", text)) for sentences in sessions for text in sentences)
+    assert talker.stats.prompt_tokens - before == expected
+
+
 def test_without_a_voices_file_the_voices_are_orpheus_finetuned_ones(tmp_path: Path) -> None:
     voices = load_voices(tmp_path)
     assert [v.name for v in voices] == ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
