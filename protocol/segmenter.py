@@ -118,6 +118,15 @@ _WAIT_RUNS: Final = {_WAIT_TERMINALS: _TERMINAL_RUN, _WAIT_CLOSERS: _CLOSER_RUN,
 _UNBOUNDED: Final = sys.maxsize
 
 
+_ALNUM: Final = re.compile(r"[^\W_]")
+"""One character `str.isalnum()` holds for (a word character that is not `_`; checked over every code point)."""
+
+
+def speakable(text: str) -> bool:
+    """Whether `text` has anything to speak: a letter or digit (`str.isalnum()`), not only spaces and marks."""
+    return _ALNUM.search(text) is not None
+
+
 @dataclass(frozen=True, slots=True)
 class Segment:
     """One committed synthesis unit: `text == utterance_text[start:end]`."""
@@ -263,6 +272,12 @@ class Segmenter:
         self.chars_examined += len(text)
         if not text:
             return []
+        if len(text.strip()) <= self._max_unit_chars:
+            # Fits whole: packing its sentences (which cover it exactly) would make this one segment.
+            self.chars_examined += 2 * len(text)
+            self._offset += len(text)
+            self._units += 1
+            return [Segment(self._offset - len(text), self._offset, text)]
         sentences = Segmenter("sentence", max_unit_chars=self._max_unit_chars, fast_first_unit=False)
         groups: list[tuple[int, int]] = []  # (start, end) in `text` of each packed segment
         content_start = 0  # where the last group's first non-space character is

@@ -48,7 +48,7 @@ from voicewire.protocol.messages import (
     echo,
     error_event,
 )
-from voicewire.protocol.segmenter import Segment, Segmenter, SplitGranularity
+from voicewire.protocol.segmenter import Segment, Segmenter, SplitGranularity, speakable
 
 
 class State(enum.Enum):
@@ -345,7 +345,7 @@ class SessionMachine:
         assert utt is not None and self.config is not None
         actions: list[Action] = []
         for seg in segments:
-            if not any(ch.isalnum() for ch in seg.text):
+            if not speakable(seg.text):
                 continue
             text = seg.text.strip()
             start = seg.start + seg.text.index(text[0])

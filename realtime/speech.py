@@ -52,7 +52,7 @@ from voicewire.protocol.messages import (
 )
 from voicewire.protocol.output import OutputMachine
 from voicewire.protocol.render import RenderedPiece, estimate_seconds
-from voicewire.protocol.segmenter import Segmenter
+from voicewire.protocol.segmenter import Segmenter, speakable
 from voicewire.protocol.session import ServerFacts, Unit, resolve_config
 from voicewire.realtime.context import ServerContext
 from voicewire.realtime.openai_errors import OpenAIError, bad_request, from_protocol_error
@@ -172,7 +172,7 @@ def plan_speech(req: SpeechRequest, facts: ServerFacts, *, max_input_chars: int,
     """
     if len(req.input) > max_input_chars:
         raise bad_request(f"input is {len(req.input)} characters; the limit is {max_input_chars}", "input")
-    if not any(ch.isalnum() for ch in req.input):
+    if not speakable(req.input):
         raise bad_request("input has nothing to speak", "input")
     if req.streaming_mode is not None:
         raise bad_request(f"streaming_mode {req.streaming_mode!r} streams text into a WebSocket session as it "
@@ -270,7 +270,7 @@ def split_units(text: str, max_unit_chars: int) -> tuple[TextUnit, ...]:
     units: list[TextUnit] = []
     for seg in segments:
         stripped = seg.text.strip()
-        if any(ch.isalnum() for ch in stripped):
+        if speakable(stripped):
             units.append(TextUnit(len(units), stripped, seg.start + seg.text.index(stripped[0])))
     return tuple(units)
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import itertools
 import random
+import sys
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from voicewire.protocol.segmenter import Segment, Segmenter, SplitGranularity
+from voicewire.protocol.segmenter import Segment, Segmenter, SplitGranularity, speakable
 
 GRANULARITIES: tuple[SplitGranularity, ...] = ("none", "sentence", "clause")
 
@@ -491,6 +492,25 @@ def test_one_message_of_many_sentences_costs_a_constant_per_character() -> None:
 def test_a_mark_run_past_the_cap_is_cut_by_the_cap() -> None:
     segments = feed(Segmenter(max_unit_chars=20), ["Hello" + "!" * 40 + " Next one."])
     assert [s.text.strip() for s in segments] == ["Hello" + "!" * 15, "!" * 20, "!" * 5, "Next one."]
+
+
+@given(data=st.data(), text=texts, cap=st.integers(1, 200))
+def test_none_mode_keeps_text_within_the_cap_whole(data: st.DataObject, text: str, cap: int) -> None:
+    """Text whose content (spaces around it aside) fits `max_unit_chars` is one unit, exactly as pushed; past
+    the cap it is packed into more than one."""
+    segments = feed(Segmenter("none", max_unit_chars=cap), data.draw(splits(text)))
+    if not text:
+        assert segments == []
+    elif len(text.strip()) <= cap:
+        assert segments == [Segment(0, len(text), text)]
+    else:
+        assert len(segments) > 1
+        assert_covers(segments, text)
+
+
+def test_speakable_is_str_isalnum_for_every_character() -> None:
+    assert [hex(c) for c in range(sys.maxunicode + 1) if speakable(chr(c)) != chr(c).isalnum()] == []
+    assert not speakable(" .,!?-_ ") and speakable("_a_") and speakable("٣")  # ARABIC-INDIC DIGIT THREE
 
 
 def test_none_mode_packs_sentences_into_units_that_fit_the_cap() -> None:
