@@ -20,10 +20,10 @@ talker prefill + first 7 tokens, codec queue wait, codec decode, hand-back, serv
 reported with the index of the chunk that arrived late, and the chunks after the first that the server's
 codec decoded past their deadline with where their time went (`talker.late_windows`: the time from the cut
 to the deadline, the codec queue wait, the batch's decode, the backlog estimated at the cut; one line per
-round, each chunk in `talker_gpu.json` under `late_windows`). Beside the stages, per round: the ms the server's
-loop spends handing the level's C requests to vLLM back to back (`TalkerEngine.frontend_seconds`: prompt,
-sampling parameters, vLLM's `add_request`; aborted at once), the part of a burst's "client -> engine call"
-that is vLLM's own frontend rather than the serving path. `--frontend-only` measures that alone, without
+round, each chunk in `talker_gpu.json` under `late_windows`). Beside the stages, per round: the ms from handing
+the engine the level's C requests at once until the last is in vLLM (`TalkerEngine.frontend_seconds`: prompt,
+tokenized in batches off the loop, sampling parameters, vLLM's `add_request`; aborted at once), the part of a
+burst that is the engine's own frontend rather than the serving path. `--frontend-only` measures that alone, without
 sessions, at levels a CPU cannot serve (`--shape tiny --frontend-only --concurrency 64,128 --rounds 10`), with
 the CPU the loop's thread spent meanwhile (what the burst's other sessions wait behind).
 
