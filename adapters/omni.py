@@ -63,6 +63,7 @@ from typing import Any, Final, cast
 
 import numpy as np
 from voicewire.adapters import omni_compat
+from voicewire.adapters.batch_encode import BatchEncoder
 from voicewire.adapters.omni_codec import QWEN3_LAYOUT, QWEN3_POLICY, Qwen3Codec
 from voicewire.adapters.omni_frames import EXTRA_KEY as FRAMES_EXTRA_KEY
 from voicewire.adapters.omni_frames import FRAMES_KEY, REFERENCE_INDEX, FrameRouter
@@ -273,6 +274,7 @@ class OmniEngine:
             max_concurrency=config.max_concurrency, model_ids=model_ids(config))
         self._omni: Any = None
         self._tokenizer: Any = None
+        self._encoder: BatchEncoder | None = None
         self._deploy_file: str | None = None
         self._references = CachedReferences(0)
         self._board: DeliveryBoard | None = None
@@ -310,6 +312,8 @@ class OmniEngine:
 
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # one host: no address discovery
         self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)  # a fast tokenizer's `tokenizers` one
+        self._encoder = None if backend is None else BatchEncoder(backend)
         if self.config.pacing is not None:  # one slot per unit in flight, with room for aborted ones ending
             self._board = DeliveryBoard.create(2 * self.config.max_concurrency + 16)
         if self.config.own_codec:
@@ -336,7 +340,10 @@ class OmniEngine:
         board, self._board = self._board, None
         router, self._router = self._router, None
         batcher, self._batcher = self._batcher, None
+        encoder, self._encoder = self._encoder, None
         await shut_down(omni, deploy, self.config.stage_config)
+        if encoder is not None:
+            encoder.close()
         if board is not None:
             board.close()
         if batcher is not None:
@@ -415,21 +422,46 @@ class OmniEngine:
         if ref_text and not x_vector_only:
             params["ref_text"] = [ref_text]
 
-    def _prompt(self, params: Mapping[str, list[Any]]) -> dict[str, Any]:
-        m = self.model
-        tokenizer = self._tokenizer
+    async def _prompt(self, request: SynthesisRequest, params: Mapping[str, list[Any]]) -> tuple[dict[str, Any], int]:
+        """The unit's placeholder prompt (its length from vllm-omni's prompt builder) and its text tokens as
+        vllm-omni's usage counts them (its text and instructions). The texts either needs are tokenized off the loop in
+        batches (`BatchEncoder`, with the fast tokenizer's own `tokenizers` backend: the same ids): a first
+        pass of the builder only records which texts it asks for."""
+        asked: list[str] = []
 
-        def tokenize(text: str) -> list[int]:
-            return list(tokenizer(text, padding=False)["input_ids"])
+        def record(text: str) -> list[int]:
+            asked.append(text)
+            return [0] * 8  # the builder's least assistant prompt; only lengths are read
+
+        self._prompt_len(params, record)
+        spoken = [text for text in (request.text, request.instructions) if text and text.strip()]
+        known = await self._encode([*asked, *spoken])
+        length = self._prompt_len(params, lambda text: known[text] if text in known else self._tokenize(text))
+        return omni_compat.token_prompt(length, params), sum(len(known[text]) for text in spoken)
+
+    def _prompt_len(self, params: Mapping[str, list[Any]], tokenize: Callable[[str], list[int]]) -> int:
+        m = self.model
 
         def ref_code_len(_reference: object) -> int | None:
             lengths = params.get("ref_code_length")
             return int(lengths[0]) if lengths else None
 
-        length = omni_compat.qwen3_tts_prompt_len(
+        return omni_compat.qwen3_tts_prompt_len(
             params, task_type=params["task_type"][0], tokenize=tokenize, codec_language_id=m.codec_language_id,
             spk_is_dialect=m.spk_is_dialect, ref_code_len=ref_code_len)
-        return omni_compat.token_prompt(length, params)
+
+    def _tokenize(self, text: str) -> list[int]:
+        """`text`'s ids in the model's text tokenizer, on the calling thread."""
+        return list(self._tokenizer(text, padding=False)["input_ids"])
+
+    async def _encode(self, texts: list[str]) -> dict[str, list[int]]:
+        """Each of `texts` by its ids in the model's text tokenizer: in batches off the loop with a fast
+        tokenizer, else on the calling thread."""
+        unique = list(dict.fromkeys(texts))
+        encoder = self._encoder
+        if encoder is None:
+            return {text: self._tokenize(text) for text in unique}
+        return dict(zip(unique, await asyncio.gather(*(encoder.encode(text) for text in unique)), strict=True))
 
     def _sampling_params(self, request: SynthesisRequest, params: Mapping[str, list[Any]]) -> list[Any]:
         sampling = omni_compat.streaming_sampling_params(self._omni)
@@ -450,9 +482,10 @@ class OmniEngine:
         if request.speed != 1.0:
             raise ValueError(f"omni: speed {request.speed} is outside the native range 1.0..1.0")
         params = self.parameters(request)
-        prompt = self._prompt(params)
+        prompt, text_tokens = await self._prompt(request, params)
         if self._router is not None and self._batcher is not None:
-            async for piece in self._synthesize_own(request, params, prompt, self._router, self._batcher):
+            async for piece in self._synthesize_own(request, params, prompt, text_tokens, self._router,
+                                                    self._batcher):
                 yield piece
             return
         if self.config.pacing is not None:  # the load the pacer plans this unit's first chunk for
@@ -464,7 +497,7 @@ class OmniEngine:
             prompt["additional_information"][BOARD_KEY] = [ticket]
         sampling = self._sampling_params(request, params)
         rate, frame_rate = self.model.sample_rate, self.model.frame_rate
-        first = TokenCounts(self._text_tokens(request), omni_compat.qwen3_tts_reference_tokens(params))
+        first = TokenCounts(text_tokens, omni_compat.qwen3_tts_reference_tokens(params))
         samples_so_far = frames_so_far = 0
         dry_at = 0.0  # when a player that started at the first piece runs dry
         try:
@@ -491,7 +524,7 @@ class OmniEngine:
             self._references.add((key[0], bool(params["x_vector_only_mode"][0])))
 
     async def _synthesize_own(self, request: SynthesisRequest, params: dict[str, list[Any]],
-                              prompt: dict[str, Any], router: FrameRouter,
+                              prompt: dict[str, Any], text_tokens: int, router: FrameRouter,
                               batcher: CodecBatcher) -> AsyncGenerator[AudioPiece, None]:
         """One unit with voicewire's own codec: vllm-omni's talker sends each frame over the frame channel
         (`omni_frames`); the frames are cut into chunks by the paced schedule and decoded in the batcher, most
@@ -504,7 +537,7 @@ class OmniEngine:
         initial = request.initial_codec_chunk_frames or QWEN3_POLICY.initial_frames
         streamer = ChunkStreamer(QWEN3_POLICY, min(initial, QWEN3_POLICY.steady_frames), layout=QWEN3_LAYOUT,
                                  window_lengths=batcher.codec.graph_lengths)
-        first = TokenCounts(self._text_tokens(request), omni_compat.qwen3_tts_reference_tokens(params))
+        first = TokenCounts(text_tokens, omni_compat.qwen3_tts_reference_tokens(params))
 
         async def drive() -> None:
             async with contextlib.aclosing(audio_chunks(self._omni, prompt, request.request_id, sampling)) as chunks:
@@ -546,12 +579,6 @@ class OmniEngine:
             if not request_task.done():
                 request_task.cancel()
                 await asyncio.gather(request_task, return_exceptions=True)
-
-    def _text_tokens(self, request: SynthesisRequest) -> int:
-        """The unit's text and instructions in the model's text tokenizer, as vllm-omni's usage counts them."""
-        tokenizer = self._tokenizer
-        return sum(len(tokenizer(text, padding=False)["input_ids"])
-                   for text in (request.text, request.instructions) if text and text.strip())
 
     # -- start-up ------------------------------------------------------------------------------------
 

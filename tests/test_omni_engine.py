@@ -341,7 +341,8 @@ async def whole_decode(server: ServerThread, request: SynthesisRequest) -> np.nd
     async def run() -> np.ndarray:
         eng = engine(server)
         params = {**eng.parameters(request), "full_utterance_decode": [True]}
-        stream = omni_compat.generate(eng._omni, eng._prompt(params), request.request_id,
+        prompt, _ = await eng._prompt(request, params)
+        stream = omni_compat.generate(eng._omni, prompt, request.request_id,
                                       eng._sampling_params(request, params))
         pieces: list[np.ndarray] = []
         async for output in stream:
@@ -422,6 +423,31 @@ async def test_voice_design_speaks_from_instructions(omni_server: ServerThread) 
     rate, samples, response = await rest_wav(omni_server, input=text, instructions="A bright voice.")
     assert response.status_code == 200, response.text
     assert rate == RATE and audio_samples_ok(samples, text)
+
+
+@kind("voice_design")
+async def test_prompts_tokenized_off_the_loop_are_those_tokenized_on_it(omni_server: ServerThread) -> None:
+    """Units build their prompts with texts tokenized in batches off the loop (`BatchEncoder`): for units asked
+    for at once, the prompt length from vllm-omni's builder and the text tokens counted are what the model's
+    tokenizer gives on the calling thread."""
+    eng = engine(omni_server)
+    requests = [SynthesisRequest(request_id=f"prompt-{index}", text=text, voice="default", task_type="VoiceDesign",
+                                 instructions=instructions)
+                for index, (text, instructions) in enumerate([
+                    ("A designed voice speaks.", "A warm, low voice, speaking slowly."),
+                    ("Numbers: 1,234.5 and 2026-12-06 stay text!", "A bright voice."),
+                    ("Short.", "Whispered, close to the microphone, and very calm indeed.")])]
+
+    async def built() -> list[tuple[int, int]]:
+        prompts = await asyncio.gather(*(eng._prompt(r, eng.parameters(r)) for r in requests))
+        return [(len(prompt["prompt_token_ids"]), text_tokens) for prompt, text_tokens in prompts]
+
+    tokenizer = AutoTokenizer.from_pretrained(eng.config.model)
+    on_thread = [(eng._prompt_len(eng.parameters(r), lambda text: tokenizer(text)["input_ids"]),
+                  len(tokenizer(r.text)["input_ids"]) + len(tokenizer(r.instructions)["input_ids"]))
+                 for r in requests]
+    assert omni_server.call(built) == on_thread
+    assert all(length > text_tokens > 0 for length, text_tokens in on_thread)
 
 
 @kind("voice_design")
