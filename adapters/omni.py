@@ -464,7 +464,7 @@ class OmniEngine:
         return dict(zip(unique, await asyncio.gather(*(encoder.encode(text) for text in unique)), strict=True))
 
     def _sampling_params(self, request: SynthesisRequest, params: Mapping[str, list[Any]]) -> list[Any]:
-        sampling = omni_compat.streaming_sampling_params(self._omni)
+        sampling = omni_compat.streaming_sampling_params(self._omni, shallow=True)  # sets scalars only
         talker = sampling[0]
         frames = int(params["max_new_tokens"][0])
         if self.config.random_weights:
