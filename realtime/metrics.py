@@ -14,9 +14,8 @@ from voicewire.adapters.talker_codec import CodecBatcher
 from voicewire.adapters.workers import PoolHealth
 
 TTFA_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
-T = TypeVar("T")
-
 GC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+T = TypeVar("T")
 
 
 class Metrics:
