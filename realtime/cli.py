@@ -80,17 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     omni.add_argument("--omni-max-concurrency", type=int, default=4,
                       help="units computed at once (at most the talker stage's max_num_seqs)")
     omni.add_argument("--omni-chunk-ramp", type=_chunk_ramp, default=None, metavar="paced|N,N,...|none",
-                      help="how a unit's audio is cut into chunks (Qwen3-TTS): paced (default: by each stream's "
+                      help="how vllm-omni's code2wav stage cuts a unit's audio into chunks (Qwen3-TTS; implies "
+                           "--omni-codec pipeline): paced (default: by each stream's "
                            "pace and the load, docs/engines.md), a fixed ramp of frames (80 ms) in each of a "
                            "unit's first chunks then the stage config's codec_chunk_frames, or none (the stage "
                            "config's chunking: one frame, then codec_chunk_frames)")
     omni.add_argument("--omni-pace-lead-ms", type=_pace_lead, default=None, metavar="MS,MS_PER_STREAM",
-                      help="paced chunks: the time from cutting a chunk to its audio at the player, in ms plus ms "
+                      help="paced chunks (implies --omni-codec pipeline): the time from cutting a chunk to its audio "
+                           "at the player, in ms plus ms "
                            "per stream the talker runs (default 55,1.5)")
-    omni.add_argument("--omni-codec", choices=("pipeline", "voicewire"), default="pipeline",
-                      help="Qwen3-TTS: decode the talker's frames in vllm-omni's code2wav stage (pipeline, default) "
-                           "or in voicewire's own batched codec path, chunks cut by its paced schedule "
-                           "(voicewire; docs/engines.md)")
+    omni.add_argument("--omni-codec", choices=("pipeline", "voicewire"), default=None,
+                      help="Qwen3-TTS: decode the talker's frames in voicewire's own batched codec path, chunks "
+                           "cut by its paced schedule (voicewire, the default), or in vllm-omni's code2wav stage "
+                           "(pipeline, the default where --omni-chunk-ramp or --omni-pace-lead-ms is given: they "
+                           "cut that stage's chunks; docs/engines.md)")
     omni.add_argument("--omni-random-weights", action="store_true",
                       help="test and benchmark mode: random weights (load_format dummy), forced lengths")
     serve.add_argument("--log-level", default="INFO", type=str.upper,
@@ -146,8 +149,9 @@ def omni_engine(args: argparse.Namespace) -> Engine | None:
     from voicewire.adapters.omni import DEFAULT_PACING, OmniConfig
 
     ramp = args.omni_chunk_ramp
-    own_codec = args.omni_codec == "voicewire"
-    if own_codec and (ramp is not None or args.omni_pace_lead_ms is not None):
+    pipeline_flags = ramp is not None or args.omni_pace_lead_ms is not None
+    own_codec = args.omni_codec == "voicewire" or (args.omni_codec is None and not pipeline_flags)
+    if own_codec and pipeline_flags:
         raise ValueError("--omni-codec voicewire cuts chunks by its own schedule: drop --omni-chunk-ramp and "
                          "--omni-pace-lead-ms")
     if ramp is not None and args.omni_pace_lead_ms is not None:

@@ -173,8 +173,16 @@ def test_cli_chunking_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
         assert isinstance(engine, OmniEngine)
         return engine.config
 
-    assert config().pacing == (0.055, 0.0015) and config().codec_chunk_ramp == ()
-    assert config("--omni-pace-lead-ms", "80,2").pacing == (0.08, 0.002)
+    default = config()  # Qwen3-TTS: voicewire's own codec, its own schedule
+    assert default.own_codec and default.pacing is None and default.codec_chunk_ramp == ()
+    pipeline = config("--omni-codec", "pipeline")  # vllm-omni's code2wav, paced
+    assert not pipeline.own_codec and pipeline.pacing == (0.055, 0.0015) and pipeline.codec_chunk_ramp == ()
+    assert config("--omni-codec", "voicewire").own_codec
+    paced = config("--omni-pace-lead-ms", "80,2")  # flags that cut code2wav's chunks choose that stage
+    assert not paced.own_codec and paced.pacing == (0.08, 0.002)
+    assert not config("--omni-chunk-ramp", "1,2,4").own_codec
+    with pytest.raises(ValueError, match="--omni-codec voicewire cuts chunks by its own schedule"):
+        config("--omni-codec", "voicewire", "--omni-chunk-ramp", "1,2,4")
     assert (config("--omni-chunk-ramp", "1,2,4").pacing, config("--omni-chunk-ramp", "1,2,4").codec_chunk_ramp) \
         == (None, (1, 2, 4))
     assert (config("--omni-chunk-ramp", "none").pacing, config("--omni-chunk-ramp", "none").codec_chunk_ramp) \
