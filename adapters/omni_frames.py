@@ -127,6 +127,11 @@ class FrameRouter(asyncio.DatagramProtocol):
         """`ticket`'s request has ended: later datagrams for it are dropped."""
         self._queues.pop(ticket, None)
 
+    @property
+    def claimed(self) -> int:
+        """Tickets claimed and not yet released: the units running on the own codec path (0 when none runs)."""
+        return len(self._queues)
+
     def datagram_received(self, data: bytes, addr: Any) -> None:
         try:
             ticket, index, codes = decode(data)

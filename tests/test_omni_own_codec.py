@@ -70,16 +70,31 @@ async def on_loop(server: ServerThread, request: SynthesisRequest
                   ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None]:
     """The engine's pieces for one unit, the frames its talker sent and the reference frames sent before them
     (None: none), run on the server's loop."""
+    [result] = await together(server, [request])
+    return result
+
+
+async def together(server: ServerThread, requests: list[SynthesisRequest]
+                   ) -> list[tuple[list[np.ndarray], np.ndarray, np.ndarray | None]]:
+    """`on_loop` for units run at once, in the order of `requests`. Each unit's frames are found by their
+    count (random-weight mode forces `frames_for(text) - 1`), so the texts must differ in that count."""
     engine = server.engine_as(OmniEngine)
     router = engine._router
     assert router is not None
+    counts = [frames_for(r.text) - 1 for r in requests]
+    assert len(set(counts)) == len(counts), "texts of distinct frame counts"
 
-    async def run() -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None]:
+    async def pieces_of(request: SynthesisRequest) -> list[np.ndarray]:
+        return [piece.samples async for piece in engine.synthesize(request)]
+
+    async def run() -> list[tuple[list[np.ndarray], np.ndarray, np.ndarray | None]]:
         router.history, router.references = {}, {}
         try:
-            pieces = [piece.samples async for piece in engine.synthesize(request)]
-            ((ticket, frames),) = router.history.items()
-            return pieces, np.stack(frames), router.references.get(ticket)
+            pieces = await asyncio.gather(*(pieces_of(r) for r in requests))
+            by_count = {len(frames): ticket for ticket, frames in router.history.items()}
+            assert sorted(by_count) == sorted(counts), "one ticket per unit, with all its frames"
+            return [(p, np.stack(router.history[by_count[n]]), router.references.get(by_count[n]))
+                    for p, n in zip(pieces, counts, strict=True)]
         finally:
             router.history = None
 
@@ -137,6 +152,49 @@ async def test_a_cloned_voice_decodes_after_its_reference_codes(server: ServerTh
     alone = codec.decode(frames[None])[0]
     assert float(np.abs(alone[:FRAME] - whole[:FRAME]).max()) > SEAM_TOLERANCE * float(np.ptp(whole)), \
         "the reference changes the first frame's audio: it was decoded as context"
+
+
+async def test_units_run_at_once_each_decode_their_own_frames(server: ServerThread) -> None:
+    """Three units at once (the batcher decodes their windows together): each unit's chunks equal one whole
+    decode of the frames its own talker request sent, none of another's."""
+    texts = ["Three streams share the codec's batches.",
+             "Each one must hear only its own frames, decoded in order.",
+             "A third one, longer again, so that every stream has a length of its own."]
+    results = await together(server, [
+        SynthesisRequest(request_id=f"own-at-once-{i}", text=text, voice="default", task_type="Base", seed=11 + i,
+                         x_vector_only_mode=True, reference=VoiceSample.of(reference(1.5), RATE))
+        for i, text in enumerate(texts)])
+    codec = server.engine_as(OmniEngine)._batcher.codec  # type: ignore[union-attr]
+    for (pieces, frames, ref), text in zip(results, texts, strict=True):
+        assert ref is None and len(frames) == frames_for(text) - 1
+        assert_seamless(np.concatenate(pieces), codec.decode(frames[None])[0])
+
+
+async def test_cancel_mid_unit_ends_its_request_and_frees_its_ticket(server: ServerThread) -> None:
+    """`input.cancel` while the talker still sends frames: the unit's vllm-omni request ends in every stage, its
+    frame ticket is released (later datagrams for it are dropped), and the next unit is spoken whole."""
+    engine = server.engine_as(OmniEngine)
+    long_text = "This unit is long enough that the talker is still sending frames when it is interrupted. " * 3
+    async with websockets.connect(server.ws_url) as ws:
+        await configure(ws, response_format="pcm", stream_audio=True, task_type="Base", x_vector_only_mode=True,
+                        ref_audio=wav_base64(reference(1.5)))
+        await send(ws, {"type": "input.text", "text": long_text})
+        await send(ws, {"type": "input.done"})
+        await recv_until(ws, "audio.start", timeout=300)
+        assert isinstance(await ws.recv(), bytes)
+        await send(ws, {"type": "input.cancel"})
+        assert (await recv_until(ws, "audio.cancelled")).of("audio.cancelled")
+        async with asyncio.timeout(60):
+            while engine.requests_in_flight() or engine._router.claimed:  # type: ignore[union-attr]
+                await asyncio.sleep(0.1)
+        text = "After the cancel."
+        await send(ws, {"type": "input.text", "text": text})
+        await send(ws, {"type": "input.done"})
+        got = await recv_until(ws, "session.done", timeout=300)
+    assert not got.of("error"), got.of("error")
+    audio = b"".join(item for item in got.items if isinstance(item, bytes))
+    assert len(audio) // 2 == (frames_for(text) - 1) * FRAME
+    assert engine.requests_in_flight() == 0 and engine._router.claimed == 0  # type: ignore[union-attr]
 
 
 def codec_figures(server: ServerThread) -> dict[str, float]:
