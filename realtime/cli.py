@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Literal
 
 from aiohttp import web
 from voicewire.adapters.base import Engine
@@ -102,11 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _chunk_ramp(text: str) -> tuple[int, ...] | None:
-    """`--omni-chunk-ramp`: `paced` (None), comma-separated frame counts, or `none` (())."""
+def _chunk_ramp(text: str) -> tuple[int, ...] | Literal["paced"]:
+    """`--omni-chunk-ramp`: `paced` (kept as the word, so that giving it is told from leaving the flag out),
+    comma-separated frame counts, or `none` (())."""
     word = text.strip().lower()
     if word in ("none", "paced"):
-        return () if word == "none" else None
+        return () if word == "none" else "paced"
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
@@ -148,8 +150,9 @@ def omni_engine(args: argparse.Namespace) -> Engine | None:
         raise ValueError("engine omni needs --model DIR")
     from voicewire.adapters.omni import DEFAULT_PACING, OmniConfig
 
-    ramp = args.omni_chunk_ramp
-    pipeline_flags = ramp is not None or args.omni_pace_lead_ms is not None
+    given = args.omni_chunk_ramp  # None: the flag was left out
+    ramp = None if given in (None, "paced") else given  # None: paced chunks
+    pipeline_flags = given is not None or args.omni_pace_lead_ms is not None
     own_codec = args.omni_codec == "voicewire" or (args.omni_codec is None and not pipeline_flags)
     if own_codec and pipeline_flags:
         raise ValueError("--omni-codec voicewire cuts chunks by its own schedule: drop --omni-chunk-ramp and "

@@ -162,7 +162,7 @@ def test_cli_chunking_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     from voicewire.realtime.cli import omni_engine as cli_engine
 
     assert _chunk_ramp("1,2,4,8,16") == (1, 2, 4, 8, 16) and _chunk_ramp("none") == ()
-    assert _chunk_ramp("paced") is None
+    assert _chunk_ramp("paced") == "paced"
     with pytest.raises(SystemExit):
         main(["serve", "--engine", "omni", "--no-auth", "--model", str(tmp_path), "--omni-chunk-ramp", "1,x"])
     assert "not paced, none or a list of frame counts" in capsys.readouterr().err
@@ -181,6 +181,11 @@ def test_cli_chunking_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     paced = config("--omni-pace-lead-ms", "80,2")  # flags that cut code2wav's chunks choose that stage
     assert not paced.own_codec and paced.pacing == (0.08, 0.002)
     assert not config("--omni-chunk-ramp", "1,2,4").own_codec
+    explicit = config("--omni-chunk-ramp", "paced")  # paced given alone chooses code2wav too, paced by default
+    assert not explicit.own_codec and explicit.pacing == (0.055, 0.0015) and explicit.codec_chunk_ramp == ()
+    assert config("--omni-chunk-ramp", "paced", "--omni-pace-lead-ms", "80,2").pacing == (0.08, 0.002)
+    with pytest.raises(ValueError, match="--omni-codec voicewire cuts chunks by its own schedule"):
+        config("--omni-codec", "voicewire", "--omni-chunk-ramp", "paced")
     with pytest.raises(ValueError, match="--omni-codec voicewire cuts chunks by its own schedule"):
         config("--omni-codec", "voicewire", "--omni-chunk-ramp", "1,2,4")
     assert (config("--omni-chunk-ramp", "1,2,4").pacing, config("--omni-chunk-ramp", "1,2,4").codec_chunk_ramp) \
