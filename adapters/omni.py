@@ -481,10 +481,11 @@ class OmniEngine:
             raise RuntimeError("omni: engine is not started (call start() first)")
         if request.speed != 1.0:
             raise ValueError(f"omni: speed {request.speed} is outside the native range 1.0..1.0")
+        called = time.perf_counter()
         params = self.parameters(request)
         prompt, text_tokens = await self._prompt(request, params)
         if self._router is not None and self._batcher is not None:
-            async for piece in self._synthesize_own(request, params, prompt, text_tokens, self._router,
+            async for piece in self._synthesize_own(request, params, prompt, text_tokens, called, self._router,
                                                     self._batcher):
                 yield piece
             return
@@ -524,7 +525,7 @@ class OmniEngine:
             self._references.add((key[0], bool(params["x_vector_only_mode"][0])))
 
     async def _synthesize_own(self, request: SynthesisRequest, params: dict[str, list[Any]],
-                              prompt: dict[str, Any], text_tokens: int, router: FrameRouter,
+                              prompt: dict[str, Any], text_tokens: int, called: float, router: FrameRouter,
                               batcher: CodecBatcher) -> AsyncGenerator[AudioPiece, None]:
         """One unit with voicewire's own codec: vllm-omni's talker sends each frame over the frame channel
         (`omni_frames`); the frames are cut into chunks by the paced schedule and decoded in the batcher, most
@@ -570,6 +571,7 @@ class OmniEngine:
                     streamer.delivered(time.perf_counter() - cut)
                     if played_from is None:
                         played_from = time.perf_counter()
+                        batcher.first_chunk(called, cut, played_from)
                     sent += len(audio)
                     yield AudioPiece(audio, rate, tokens=TokenCounts(first.text, first.audio, window.chunk_frames))
                     first = NO_TOKENS

@@ -365,9 +365,10 @@ class TalkerEngine:
     async def _synthesize(self, request: SynthesisRequest) -> AsyncGenerator[AudioPiece, None]:
         if request.speed != 1.0:
             raise ValueError(f"talker: speed {request.speed} is outside the native range 1.0..1.0")
+        called = time.perf_counter()
         trace: dict[str, float] | None = None
         if self._trace is not None:
-            trace = self._trace[request.request_id] = {"call": time.perf_counter(), "seed": float(request.seed or 0)}
+            trace = self._trace[request.request_id] = {"call": called, "seed": float(request.seed or 0)}
         prompt = await self._prompt(request)
         initial = request.initial_codec_chunk_frames or self.config.chunks.initial_frames
         streamer = ChunkStreamer(self.config.chunks, initial, window_lengths=self._codec.graph_lengths)
@@ -420,6 +421,7 @@ class TalkerEngine:
                         streamer.delivered(time.perf_counter() - cut)
                         if played_from is None:
                             played_from = time.perf_counter()
+                            self._batcher.first_chunk(called, cut, played_from)
                             if trace is not None and times:
                                 trace.update(decode_start=times[0], decode_end=times[1], yielded=played_from)
                         elif trace is not None and times and times[1] > deadline:

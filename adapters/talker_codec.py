@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -653,7 +654,10 @@ def engine_codec(engine: object) -> CodecBatcher | None:
 class CodecStats:
     """Codec work since start: decode calls (`batches`), windows decoded, the largest batch, frames, the
     decode time summed and at its worst (`decode_s`, `max_decode_ms`: the codec thread's call, copies and
-    stream sync included), and windows decoded after their deadline (`late`)."""
+    stream sync included), and windows decoded after their deadline (`late`). Beside them, where the units'
+    time to their first chunk went (`CodecBatcher.first_chunk`), summed over `first_chunks` units: from the
+    engine call to the first chunk's frames (`first_frames_s`: prompt, the talker's queue, prefill and first
+    frames) and from there to its audio (`first_decode_s`: the codec's queue and decode)."""
 
     batches: int = 0
     windows: int = 0
@@ -662,6 +666,9 @@ class CodecStats:
     decode_s: float = 0.0
     max_decode_ms: float = 0.0
     late: int = 0
+    first_chunks: int = 0
+    first_frames_s: float = 0.0
+    first_decode_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -724,6 +731,14 @@ class CodecBatcher:
             began, rows = self._in_flight
             left = max(0.0, began + rows * row_s - now)
         return left + self._queued_rows * row_s
+
+    def first_chunk(self, called: float, cut: float, decoded: float) -> None:
+        """Count a unit's first chunk in `stats`: the engine was called at `called`, the chunk's frames were
+        cut at `cut` and its audio was decoded at `decoded` (`time.perf_counter()` seconds)."""
+        s = self.stats
+        self.stats = dataclasses.replace(s, first_chunks=s.first_chunks + 1,
+                                         first_frames_s=s.first_frames_s + cut - called,
+                                         first_decode_s=s.first_decode_s + decoded - cut)
 
     async def on_codec_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the codec thread (CUDA graph capture, warm-up), between batches."""
@@ -807,5 +822,7 @@ class CodecBatcher:
 
     def _count(self, size: int, frames: int, seconds: float, late: int) -> None:
         s = self.stats
-        self.stats = CodecStats(s.batches + 1, s.windows + size, max(s.max_batch, size), s.frames + frames,
-                                s.decode_s + seconds, max(s.max_decode_ms, seconds * 1000.0), s.late + late)
+        self.stats = dataclasses.replace(s, batches=s.batches + 1, windows=s.windows + size,
+                                         max_batch=max(s.max_batch, size), frames=s.frames + frames,
+                                         decode_s=s.decode_s + seconds,
+                                         max_decode_ms=max(s.max_decode_ms, seconds * 1000.0), late=s.late + late)

@@ -665,7 +665,8 @@ def duel(clients: ProcessPoolExecutor, running: dict[str, Server], levels: list[
                         (args.out / "omni_duel.json").write_text(json.dumps(results, indent=1))
 
 
-CODEC_COUNTERS: Final = ("batches", "windows", "frames", "decode_seconds", "late_windows", "fallbacks")
+CODEC_COUNTERS: Final = ("batches", "windows", "frames", "decode_seconds", "late_windows", "fallbacks",
+                         "first_chunks", "first_frames_seconds", "first_decode_seconds")
 
 
 def codec_figures(server: Server) -> dict[str, float] | None:
@@ -690,13 +691,16 @@ def codec_moved(before: dict[str, float] | None, after: dict[str, float] | None)
 
 
 def codec_line(codec: dict[str, float] | None) -> str:
-    """The per-round line's codec part: decode calls, windows and ms per call, late windows, CUDA graphs."""
+    """The per-round line's codec part: decode calls, windows and ms per call, late windows, CUDA graphs, and
+    where the units' time to their first chunk went (means: the talker's side, the codec's)."""
     if not codec:
         return ""
-    calls = max(codec["batches"], 1)
+    calls, units = max(codec["batches"], 1), max(codec["first_chunks"], 1)
     return (f"; codec {codec['batches']:.0f} calls, {codec['windows'] / calls:.1f} windows and "
             f"{1000 * codec['decode_seconds'] / calls:.1f} ms a call, {codec['late_windows']:.0f} late, "
-            f"{codec['cuda_graphs']:.0f} CUDA graphs")
+            f"{codec['cuda_graphs']:.0f} CUDA graphs; first chunk, mean of {codec['first_chunks']:.0f} units: "
+            f"engine call -> frames {1000 * codec['first_frames_seconds'] / units:.0f} ms, "
+            f"frames -> audio {1000 * codec['first_decode_seconds'] / units:.0f} ms")
 
 
 async def _all_ready(servers: list[Server], timeout: float) -> list[BaseException | None]:

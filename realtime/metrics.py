@@ -133,7 +133,8 @@ def _worker_families(health: PoolHealth) -> Iterator[Metric]:
 def _codec_families(batcher: CodecBatcher) -> Iterator[Metric]:
     """voicewire's own codec path (`talker_codec.CodecBatcher`; an engine without one has none): decode calls,
     windows, frames and seconds since the engine started, windows decoded after their deadline, the slowest
-    call, CUDA graphs captured, batches decoded again in float32."""
+    call, CUDA graphs captured, batches decoded again in float32; units' time to their first chunk, split at
+    the cut of its frames."""
     s = batcher.stats
     yield CounterMetricFamily("voicewire_codec_batches", "Codec decode calls (each a batch of equal-length "
                               "windows)", value=s.batches)
@@ -146,6 +147,14 @@ def _codec_families(batcher: CodecBatcher) -> Iterator[Metric]:
                               "audio before them had run out at the player's pace)", value=s.late)
     yield CounterMetricFamily("voicewire_codec_fallbacks", "Batches decoded again in float32 (not finite in "
                               "reduced precision)", value=batcher.codec.fallbacks)
+    yield CounterMetricFamily("voicewire_codec_first_chunks", "Units whose first chunk was decoded",
+                              value=s.first_chunks)
+    yield CounterMetricFamily("voicewire_codec_first_frames_seconds", "Time from the engine call to a unit's "
+                              "first chunk of frames (prompt, talker queue, prefill, first frames), summed over "
+                              "units", value=s.first_frames_s)
+    yield CounterMetricFamily("voicewire_codec_first_decode_seconds", "Time from a unit's first chunk of "
+                              "frames to its audio (codec queue and decode), summed over units",
+                              value=s.first_decode_s)
     yield GaugeMetricFamily("voicewire_codec_max_decode_seconds", "The slowest codec decode call so far",
                             value=s.max_decode_ms / 1000)
     yield GaugeMetricFamily("voicewire_codec_cuda_graphs", "CUDA graphs the codec captured (0 on a CPU: "

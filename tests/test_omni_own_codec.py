@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -206,14 +207,20 @@ def codec_figures(server: ServerThread) -> dict[str, float]:
 
 async def test_metrics_count_the_codecs_work(server: ServerThread) -> None:
     """`GET /metrics` exports the codec path's figures, and they move by what one unit's chunks cost: one
-    window per chunk, its frames with their left context, at least one decode call, no CUDA graph on a CPU."""
+    window per chunk, its frames with their left context, at least one decode call, no CUDA graph on a CPU; and
+    one first chunk, its time split at the cut of its frames (both parts spent, together within the unit's)."""
     before = await asyncio.to_thread(codec_figures, server)
     text = "Counted by the codec's own figures."
+    began = time.perf_counter()
     pieces, frames, _ = await on_loop(server, SynthesisRequest(
         request_id="own-metrics", text=text, voice="default", task_type="Base", x_vector_only_mode=True,
         reference=VoiceSample.of(reference(1.5), RATE)))
+    took = time.perf_counter() - began
     after = await asyncio.to_thread(codec_figures, server)
     moved = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert moved["voicewire_codec_first_chunks_total"] == 1
+    first_frames, first_decode = (moved[f"voicewire_codec_first_{part}_seconds_total"] for part in ("frames", "decode"))
+    assert first_frames > 0 and first_decode > 0 and first_frames + first_decode < took
     assert moved["voicewire_codec_windows_total"] == len(pieces) > 1
     assert 1 <= moved["voicewire_codec_batches_total"] <= len(pieces)
     assert moved["voicewire_codec_frames_total"] >= len(frames)

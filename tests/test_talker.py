@@ -206,11 +206,12 @@ async def test_concurrent_sessions_share_batched_talker_steps_and_codec_batches(
 async def test_the_trace_records_every_late_chunk_the_codec_counted(talker_server: ServerThread) -> None:
     """The benchmarks' trace (`TalkerEngine.trace`): each unit's first-chunk stages, and each later chunk the
     codec decoded past its deadline with where its time went (`late_windows`), exactly the windows the codec's
-    own late count adds beyond the first chunks (which are due when cut)."""
+    own late count adds beyond the first chunks (which are due when cut); and the codec's first-chunk split
+    (`CodecBatcher.first_chunk`) sums the same stages the trace holds per unit."""
     sessions, text = 3, "Three late listeners."
     eng = engine(talker_server)
     await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_engine_idle(talker_server), talker_server.loop))
-    before = eng.stats.codec.late
+    before, before_codec = eng.stats.codec.late, eng.stats.codec
     eng.trace(True)
 
     async def speak(index: int) -> None:
@@ -228,6 +229,12 @@ async def test_the_trace_records_every_late_chunk_the_codec_counted(talker_serve
     assert len(trace) == sessions and all("yielded" in t and "decode_end" in t for t in trace.values()), trace
     late = [window for t in trace.values() for window in late_windows(t)]
     assert eng.stats.codec.late - before == sessions + len(late)
+    codec = eng.stats.codec
+    assert codec.first_chunks - before_codec.first_chunks == sessions
+    assert codec.first_frames_s - before_codec.first_frames_s == pytest.approx(
+        sum(t["first_frame"] - t["call"] for t in trace.values()))
+    assert codec.first_decode_s - before_codec.first_decode_s == pytest.approx(
+        sum(t["yielded"] - t["first_frame"] for t in trace.values()))
     for window in late:
         assert window["chunk"] >= 1 and window["late_ms"] > 0 and window["queue_ms"] >= 0, window
         assert window["late_ms"] == pytest.approx(window["queue_ms"] + window["decode_ms"] - window["budget_ms"])
