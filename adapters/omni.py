@@ -634,11 +634,13 @@ CODEC_GRAPH_LENGTHS: Final = (1, 2, 4, 8, 16, 32, 64, 97)
 context, where the unit has it, to reach the next one (`ChunkStreamer.window_lengths`); 97 = 72 frames of
 context and the largest chunk."""
 
-CODEC_MAX_BATCH_FRAMES: Final = 4 * CODEC_GRAPH_LENGTHS[-1]
-"""The most frames one decode of voicewire's own codec takes (`CodecBatcher`): four full windows. The decoder
-needs about 4 MB of activations per frame in float32 (measured on the CPU with the 1.7B model's tokenizer
-shapes), so a batch of 64 full windows (6208 frames) would need about 26 GB, and its CUDA graph capture ran
-out of memory on an 80 GB H100 (2026-12-06); a batch also holds back an urgent first chunk queued behind it."""
+CODEC_MAX_BATCH_FRAMES: Final = 388
+"""The most frames of audio one decode of voicewire's own codec makes (`CodecBatcher`; `GraphedCodec.span`: a
+full window's convolutions run over 35 of its 97 frames, so 11 full windows). The decoder's convolutions need
+about 4 MB of activations per frame in float32 (measured on the CPU with the 1.7B model's tokenizer shapes):
+a batch of 64 windows decoded whole (6208 frames) would need about 26 GB, and its CUDA graph capture ran out of
+memory on an 80 GB H100 (2026-12-06); a batch also holds back an urgent first chunk queued behind it. 388 was
+four whole windows, the cap measured on the GPU before the convolutions ran over spans only."""
 
 FINAL_WAIT_S: Final = 1.0
 """How long a unit waits for its frame channel's end after vllm-omni's request has finished."""

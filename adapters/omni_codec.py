@@ -14,12 +14,20 @@ frames (`QWEN3_POLICY`). For the same reason a window padded at its end decodes 
 lengths share a call and none decodes eagerly. vllm-omni streams with `codec_left_context_frames` 72 (the
 decoder's sliding window); the tiny test decoder is exact to 1e-7 from 8 frames.
 
+Nearly all of a decode is the upsampling convolutions after the transformer (measured on the CPU with the 1.7B
+model's tokenizer shapes: 38 s of convolutions against 0.3 s for the rest, 4 windows of 97 frames), and they
+need only `conv_context_frames` (10) frames of left context, where the transformer needs 72. So the
+transformer runs over each whole window and the convolutions over the chunk and those 10 frames only
+(`GraphedCodec.tail_frames`, `Qwen3Codec._forward`): a full 97-frame window costs them 35 frames, not 97,
+and its chunk's samples are the same (vllm-omni's own incremental decoder does likewise, with 12).
+
 A frame is 16 codes (one per quantizer, the talker's codebook 0 first) and 1920 samples at 24 kHz (80 ms).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,12 +48,31 @@ QWEN3_POLICY = ChunkPolicy(initial_frames=1, steady_frames=25, left_context_fram
 chunk vllm-omni's own (25 frames)."""
 
 
+def conv_context_frames(decoder: Any) -> int:
+    """Frames of left context the layers after `decoder`'s transformer (its `upsample` and `decoder` module
+    lists: causal convolutions and transposed convolutions) need for exact output: each causal convolution
+    looks back its padding in its own samples, each transposed one of kernel k and stride s back
+    ceil((k - s) / s) of its inputs, in frames at the sample rate where it runs; their sum, rounded up."""
+    rate, context = 1, 0.0
+    for module in [*decoder.upsample.modules(), *decoder.decoder.modules()]:
+        kind = type(module).__name__
+        if kind.endswith("CausalConvNet"):
+            context += module.padding / rate
+        elif kind.endswith("CausalTransConvNet"):
+            kernel, stride = int(module.conv.kernel_size[0]), int(module.conv.stride[0])
+            context += math.ceil((kernel - stride) / stride) / rate
+            rate *= stride
+    return math.ceil(context)
+
+
 class Qwen3Codec(GraphedCodec):
     """vllm-omni's Qwen3-TTS 12 Hz decoder loaded from a model folder's `speech_tokenizer/` (`config.json`
     and the `decoder.*` tensors of its `*.safetensors`), decoding windows of shape (batch, n, 16) to
-    (batch, n * 1920) float32 audio (`GraphedCodec.decode`). `random_weights`: seeded random weights
-    (`RANDOM_SCALE`) instead of reading any (the random-weight test and benchmark models ship none).
-    Runs in float32 by default, as vllm-omni's code2wav stage does. Needs vllm-omni installed."""
+    (batch, n * 1920) float32 audio (`GraphedCodec.decode`); given chunk ends, a window's convolutions run over
+    its last `QWEN3_POLICY.steady_frames` + `conv_context_frames` frames (`tail_frames`) up to its chunk's end
+    only. `random_weights`: seeded random weights (`RANDOM_SCALE`) instead of reading any (the random-weight
+    test and benchmark models ship none). Runs in float32 by default, as vllm-omni's code2wav stage does.
+    Needs vllm-omni installed."""
 
     layout = QWEN3_LAYOUT
     causal = True
@@ -92,6 +119,8 @@ class Qwen3Codec(GraphedCodec):
         decoder = decoder.to(device=device, dtype=getattr(torch, dtype)).eval()
         if hasattr(decoder, "precompute_snake_caches"):
             decoder.precompute_snake_caches()
+        self.tail_context = conv_context_frames(decoder)
+        self.tail_frames = QWEN3_POLICY.steady_frames + self.tail_context
         self._model, self._torch = decoder, cast(Any, torch)
         if device.startswith("cuda"):
             self._stream = self._torch.cuda.Stream(device=device)
@@ -110,7 +139,20 @@ class Qwen3Codec(GraphedCodec):
                     state[name.removeprefix("decoder.")] = tensor
         return state
 
-    def _forward(self, codes: Any, model: Any = None) -> Any:
-        """Codes (batch, n, 16) int64 on the device -> float32 audio (batch, n * 1920); no host sync."""
+    def _forward(self, codes: Any, starts: Any = None, model: Any = None) -> Any:
+        """Codes (batch, n, 16) int64 on the device -> float32 audio (batch, n * 1920), or with `starts` the
+        audio of each row's `tail_frames` frames from its start; no host sync. vllm-omni's decoder's forward,
+        its convolutions on the span only."""
+        torch = self._torch
         model = model if model is not None else self._model
-        return model(codes.transpose(1, 2))[:, 0, :].float()
+        hidden = model.pre_conv(model.quantizer.decode(codes.transpose(1, 2))).transpose(1, 2)
+        hidden = model.pre_transformer(inputs_embeds=hidden).last_hidden_state.permute(0, 2, 1)
+        if starts is not None:
+            index = starts[:, None] + torch.arange(self.tail_frames, device=hidden.device)[None, :]
+            hidden = hidden.gather(2, index[:, None, :].expand(-1, hidden.shape[1], -1))
+        for blocks in model.upsample:
+            for block in blocks:
+                hidden = block(hidden)
+        for block in model.decoder:
+            hidden = block(hidden)
+        return hidden.clamp(min=-1, max=1)[:, 0, :].float()

@@ -308,6 +308,11 @@ class ChunkStreamer:
         return self._codes
 
 
+def _end_frame(window: DecodeWindow, samples_per_frame: int) -> int:
+    """The window frame its chunk ends in (exclusive)."""
+    return -(-window.emit_end // samples_per_frame)
+
+
 def padded(frames: CodeFrames, length: int) -> CodeFrames:
     """`frames` (n, codes per frame) with copies of the last frame appended up to `length` rows (as they are
     when n is `length` or more)."""
@@ -316,24 +321,25 @@ def padded(frames: CodeFrames, length: int) -> CodeFrames:
 
 
 def graph_plan(lengths: Sequence[int], max_batch: int, batches: Sequence[int],
-               max_frames: int | None = None) -> list[tuple[int, int]]:
+               max_frames: int | None = None, span: Callable[[int], int] = int) -> list[tuple[int, int]]:
     """Every (batch bucket, window length) shape to capture for windows of `lengths` frames in batches of up
-    to `max_batch` windows and `max_frames` frames (None: no frame cap): the buckets of `batches` below
-    `max_batch`, and `max_batch` itself, of those a batch of the length can fill (at least the smallest,
-    as `batch_size` makes no batch of more); the largest shape (batch x length) first."""
+    to `max_batch` windows and `max_frames` frames of audio decoded (None: no frame cap; a window of n frames
+    decodes `span(n)`, all n by default): the buckets of `batches` below `max_batch`, and `max_batch`
+    itself, of those a batch of the length can fill (at least the smallest, as `batch_size` makes no batch
+    of more); the most work (batch x span) first."""
     buckets = [b for b in batches if b < max_batch] + [max_batch]
     shapes = {(b, n) for n in set(lengths) for i, b in enumerate(buckets)
-              if i == 0 or max_frames is None or b * n <= max_frames}
-    return sorted(shapes, key=lambda s: (s[0] * s[1], s), reverse=True)
+              if i == 0 or max_frames is None or b * span(n) <= max_frames}
+    return sorted(shapes, key=lambda s: (s[0] * span(s[1]), s), reverse=True)
 
 
 def batch_size(length: int, max_batch: int, max_batch_frames: int, captured: Sequence[int]) -> int:
-    """Windows of `length` frames per codec batch: at most `max_batch` and `max_batch_frames` frames (at least
-    one window), rounded down to a batch the codec has a CUDA graph for at this length (`captured`, ascending),
-    so no padded rows are decoded and no batch meets an unseen shape eagerly (cuDNN builds its plans then:
-    up to a second mid-stream on the GPU) when a smaller captured one can take it. With no graph for the
-    length (on the CPU, or none captured), rounded down to a `GraphedCodec.GRAPH_BATCHES` bucket or
-    `max_batch`."""
+    """Windows that each decode `length` frames of audio (`GraphedCodec.span`) per codec batch: at most
+    `max_batch` and `max_batch_frames` frames (at least one window), rounded down to a batch the codec has a
+    CUDA graph for at the window's length (`captured`, ascending), so no padded rows are decoded and no batch
+    meets an unseen shape eagerly (cuDNN builds its plans then: up to a second mid-stream on the GPU) when a
+    smaller captured one can take it. With no graph for the length (on the CPU, or none captured), rounded
+    down to a `GraphedCodec.GRAPH_BATCHES` bucket or `max_batch`."""
     fits = min(max_batch, max(1, max_batch_frames // max(length, 1)))
     if captured:
         return max((b for b in captured if b <= fits), default=fits)
@@ -380,7 +386,14 @@ class GraphedCodec:
     A `causal` decoder (no sample depends on a later frame) decodes a window padded at its end with copies of
     its last frame to any longer length, its samples unchanged: `CodecBatcher` pads each window to the next
     length given to `prepare()` (`padded_length`), so windows of nearby lengths share one call and every one
-    meets a captured graph."""
+    meets a captured graph.
+
+    A decoder whose late layers (the upsampling convolutions, where nearly all the work is) need only a few
+    frames of left context sets `tail_frames` (and `tail_context`, those frames): given each row's chunk end
+    (`decode(frames, ends)`), a window longer than `tail_frames` runs its early layers over every frame but
+    its late ones over the last `tail_frames` frames up to the chunk's end only (`span`, `span_start`), and
+    decodes that span's audio: the chunk's samples are the same while the window's left context costs the
+    late layers nothing."""
 
     GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64)
     layout: FrameLayout = SNAC_LAYOUT
@@ -391,6 +404,10 @@ class GraphedCodec:
         self.dtype = dtype
         self.cuda_graphs = cuda_graphs
         self.fallbacks = 0
+        self.tail_frames: int | None = None
+        """Frames of audio a window decodes when its chunk end is given (None: every frame; see the class doc)."""
+        self.tail_context = 0
+        """Frames of left context the late layers need before a chunk's first frame (with `tail_frames`)."""
         self._model: Any = None
         self._model32: Any = None
         self._torch: Any = None
@@ -408,10 +425,22 @@ class GraphedCodec:
         """Build the model and move it to the device (subclasses)."""
         raise NotImplementedError
 
-    def _forward(self, codes: Any, model: Any = None) -> Any:
+    def _forward(self, codes: Any, starts: Any = None, model: Any = None) -> Any:
         """Codes (batch, n, codes per frame) int64 on the device -> float32 audio (batch, n * samples per frame);
-        no host sync (subclasses; `model` defaults to `_model`)."""
+        with `starts` (batch,) int64 on the device (`tail_frames` set), each row's audio of frames
+        `[start, start + tail_frames)` only. No host sync (subclasses; `model` defaults to `_model`)."""
         raise NotImplementedError
+
+    def span(self, length: int) -> int:
+        """Frames of audio a window of `length` frames decodes when its chunk end is given: `tail_frames`
+        where the window is longer, else all of it."""
+        tail = self.tail_frames
+        return length if tail is None or length <= tail else tail
+
+    def span_start(self, length: int, end: int) -> int:
+        """The first frame of the decoded span (`span`) of a window of `length` frames whose chunk ends at frame
+        `end`: the span ends at the chunk's end, or starts at the window's start."""
+        return min(max(end - self.span(length), 0), length - self.span(length))
 
     def _resolve(self, torch: Any) -> tuple[str, str]:
         """`device` and `dtype` with "auto" resolved: CUDA when there is one; float16 on CUDA, float32 elsewhere."""
@@ -464,7 +493,7 @@ class GraphedCodec:
         self._lengths = tuple(sorted(set(lengths)))
         if not (self.cuda_graphs and self.device.startswith("cuda")) or not lengths:
             return
-        shapes = graph_plan(lengths, max_batch, self.GRAPH_BATCHES, max_batch_frames)
+        shapes = graph_plan(lengths, max_batch, self.GRAPH_BATCHES, max_batch_frames, self.span)
         batch_rows = max(b for b, _ in shapes)
         max_frames = max(lengths)
         codes_per_frame, samples_per_frame = self.layout.codes_per_frame, self.layout.samples_per_frame
@@ -473,10 +502,12 @@ class GraphedCodec:
             audio_out = torch.zeros(batch_rows * max_frames * samples_per_frame, dtype=torch.float32,
                                     device=self.device)
             finite = torch.ones(1, dtype=torch.bool, device=self.device)
+            starts_in = torch.zeros(batch_rows, dtype=torch.int64, device=self.device)
             pinned = (torch.zeros(codes_in.numel(), dtype=torch.int64, pin_memory=True),
                       torch.zeros(audio_out.numel(), dtype=torch.float32, pin_memory=True),
-                      torch.zeros(1, dtype=torch.bool, pin_memory=True))
-            self._buffers = (codes_in, audio_out, finite, pinned)
+                      torch.zeros(1, dtype=torch.bool, pin_memory=True),
+                      torch.zeros(batch_rows, dtype=torch.int64, pin_memory=True))
+            self._buffers = (codes_in, audio_out, finite, starts_in, pinned)
             self._pool, self._captured = torch.cuda.graph_pool_handle(), 0
             side = torch.cuda.Stream(device=self.device)
             self._graphs = capture_shapes(shapes, lambda batch, frames: self._capture(side, batch, frames),
@@ -488,14 +519,17 @@ class GraphedCodec:
             torch.cuda.empty_cache()  # the warm-ups' eager blocks; the graphs' pool stays
 
     def _capture(self, side: Any, batch: int, frames: int) -> Any:
+        """One graph for `batch` windows of `frames` frames, decoding each window's span (`span`) from the
+        starts buffer where that is shorter than the window."""
         torch = self._torch
-        codes_in, audio_out, finite, _ = self._buffers
+        codes_in, audio_out, finite, starts_in, _ = self._buffers
         codes_per_frame = self.layout.codes_per_frame
         codes = codes_in[:batch * frames * codes_per_frame].view(batch, frames, codes_per_frame)
-        out = audio_out[:batch * frames * self.layout.samples_per_frame].view(batch, -1)
+        out = audio_out[:batch * self.span(frames) * self.layout.samples_per_frame].view(batch, -1)
+        starts = starts_in[:batch] if self.span(frames) < frames else None
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._forward(codes)  # warm-up: cuDNN plans, allocator
+            self._forward(codes, starts)  # warm-up: cuDNN plans, allocator
         torch.cuda.current_stream().wait_stream(side)
         # capture_begin/end rather than `torch.cuda.graph`, which runs gc and empties the
         # allocator's cache before every one of the ~240 captures.
@@ -503,7 +537,7 @@ class GraphedCodec:
         with torch.cuda.stream(side):
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                audio = self._forward(codes)
+                audio = self._forward(codes, starts)
                 out.copy_(audio)
                 finite.copy_(torch.isfinite(audio).all().reshape(1))
             except BaseException:
@@ -520,37 +554,48 @@ class GraphedCodec:
         self._captured += 1
         return graph
 
-    def decode(self, frames: CodeFrames) -> npt.NDArray[np.float32]:
+    def decode(self, frames: CodeFrames, ends: Sequence[int] | None = None) -> npt.NDArray[np.float32]:
         """Frames of shape (batch, n, codes per frame) -> float32 audio of shape (batch, n * samples per frame)
-        (a fresh array)."""
+        (a fresh array). With `ends` (each row's chunk end, in frames): (batch, span(n) * samples per frame),
+        row i the audio of frames `span_start(n, ends[i])` on (`span`); the same as without where the span is
+        the whole window."""
         torch = self._torch
         if torch is None:
             raise RuntimeError("codec: not loaded (call load() first)")
         batch, length = frames.shape[0], frames.shape[1]
-        buckets = self._graph_batches.get(length)
+        starts = None
+        if ends is not None and self.span(length) < length:
+            starts = np.array([self.span_start(length, end) for end in ends], np.int64)
+        buckets = self._graph_batches.get(length) if starts is not None or self.span(length) == length else None
         bucket = next((b for b in buckets if b >= batch), None) if buckets else None
         with torch.inference_mode():
             if bucket is not None:
-                audio, finite = self._replay(frames, bucket)
+                audio, finite = self._replay(frames, starts, bucket)
             else:
-                audio, finite = self._eager(frames, self._model)
+                audio, finite = self._eager(frames, starts, self._model)
             if not finite and self._model32 is not None:
                 self.fallbacks += 1
-                audio, _ = self._eager(frames, self._model32)
+                audio, _ = self._eager(frames, starts, self._model32)
             return audio
 
-    def _replay(self, frames: CodeFrames, bucket: int) -> tuple[npt.NDArray[np.float32], bool]:
+    def _replay(self, frames: CodeFrames, starts: npt.NDArray[np.int64] | None,
+                bucket: int) -> tuple[npt.NDArray[np.float32], bool]:
         torch = self._torch
         batch, length = frames.shape[0], frames.shape[1]
-        codes_in, audio_out, finite, (pin_codes, pin_audio, pin_finite) = self._buffers
+        codes_in, audio_out, finite, starts_in, (pin_codes, pin_audio, pin_finite, pin_starts) = self._buffers
         codes_per_frame = self.layout.codes_per_frame
         staged = pin_codes[:bucket * length * codes_per_frame].numpy().reshape(bucket, length, codes_per_frame)
         staged[:batch] = frames
         staged[batch:] = 0
         count = bucket * length * codes_per_frame
-        samples = batch * length * self.layout.samples_per_frame
+        samples = batch * self.span(length) * self.layout.samples_per_frame
+        if starts is not None:
+            pin_starts[:batch].numpy()[:] = starts
+            pin_starts[batch:bucket].numpy()[:] = 0
         with torch.cuda.stream(self._stream):
             codes_in[:count].copy_(pin_codes[:count], non_blocking=True)
+            if starts is not None:
+                starts_in[:bucket].copy_(pin_starts[:bucket], non_blocking=True)
             self._graphs[(bucket, length)].replay()
             pin_audio[:samples].copy_(audio_out[:samples], non_blocking=True)
             pin_finite.copy_(finite, non_blocking=True)
@@ -558,11 +603,12 @@ class GraphedCodec:
         audio = pin_audio[:samples].numpy().reshape(batch, -1).copy()
         return cast(npt.NDArray[np.float32], audio), bool(pin_finite.item())
 
-    def _eager(self, frames: CodeFrames, model: Any) -> tuple[npt.NDArray[np.float32], bool]:
+    def _eager(self, frames: CodeFrames, starts: npt.NDArray[np.int64] | None,
+               model: Any) -> tuple[npt.NDArray[np.float32], bool]:
         torch = self._torch
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             codes = torch.from_numpy(np.ascontiguousarray(frames, dtype=np.int64)).to(self.device)
-            audio = self._forward(codes, model)
+            audio = self._forward(codes, None if starts is None else torch.from_numpy(starts).to(self.device), model)
             finite = bool(torch.isfinite(audio).all()) if self.dtype != "float32" else True
             return cast(npt.NDArray[np.float32], audio.cpu().numpy()), finite
 
@@ -616,8 +662,9 @@ class SnacCodec(GraphedCodec):
         if device.startswith("cuda"):
             self._stream = self._torch.cuda.Stream(device=device)
 
-    def _forward(self, codes: Any, model: Any = None) -> Any:
-        """Codes (batch, n, 7) int64 on the device -> float32 audio (batch, n * 2048); no host sync."""
+    def _forward(self, codes: Any, starts: Any = None, model: Any = None) -> Any:
+        """Codes (batch, n, 7) int64 on the device -> float32 audio (batch, n * 2048); no host sync. SNAC decodes
+        every frame (`starts` is always None: no `tail_frames`)."""
         torch = self._torch
         model = model if model is not None else self._model
         batch = codes.shape[0]
@@ -687,7 +734,8 @@ class CodecBatcher:
     `decode(window, deadline)` queues the window and waits for its audio. One worker task decodes one batch
     at a time on the codec thread: of everything queued, the windows of the length whose most urgent window
     has the earliest deadline (`time.perf_counter()` seconds: when the listener's audio runs out; a unit's
-    first chunk is due at once), up to `max_batch` windows and `max_batch_frames` frames, most urgent first.
+    first chunk is due at once), up to `max_batch` windows and `max_batch_frames` frames of audio decoded
+    (`GraphedCodec.span`: a window's chunk and the left context its late layers need), most urgent first.
     The frame cap bounds how long an urgent window can wait behind a batch already on the GPU (measured on
     the H200 in float16 graphs: 64 windows of 20 frames take 58 ms, 16 of them about 15 ms; the time is
     linear in frames, so splitting costs no GPU time). It re-reads the queue after
@@ -697,7 +745,8 @@ class CodecBatcher:
     """
 
     ROW_SECONDS_HOLD = 0.8
-    """Per batch, the weight the decode time per window frame measured so far keeps against the newest one."""
+    """Per batch, the weight the decode time per frame of audio decoded measured so far keeps against the newest
+    one."""
 
     def __init__(self, codec: GraphedCodec, max_batch: int = 64, max_batch_frames: int = 320) -> None:
         self.codec = codec
@@ -720,7 +769,7 @@ class CodecBatcher:
 
     def backlog_s(self, now: float) -> float:
         """Estimated seconds of decoding ahead of a window queued at `now` (`time.perf_counter()`): what is left
-        of the batch on the device and every window queued, at the measured decode time per window frame
+        of the batch on the device and every window queued, at the measured decode time per frame of audio decoded
         (smoothed over batches; 0 until a batch has been decoded). An upper estimate for a window more urgent
         than some of the queue (earliest deadline goes first); constant time."""
         row_s = self._row_s
@@ -762,14 +811,20 @@ class CodecBatcher:
                      times: list[float] | None = None) -> FloatAudio:
         """The window's output samples (`emit_start:emit_end` of its decoded audio). `deadline`
         (perf_counter seconds; default now) orders the work; `times`, if given, receives the
-        perf_counter times its batch's decode started and ended."""
+        perf_counter times its batch's decode started and ended. Raises ValueError for a chunk longer than the
+        codec's span leaves room for after its context (`GraphedCodec.tail_frames`)."""
         if self._wake is None:
             raise RuntimeError("talker codec: batcher not started")
-        future: asyncio.Future[FloatAudio] = asyncio.get_running_loop().create_future()
         length = self.codec.padded_length(len(window.frames))
+        spf = self.codec.layout.samples_per_frame
+        start = self.codec.span_start(length, _end_frame(window, spf))
+        if start and window.emit_start < (start + self.codec.tail_context) * spf:
+            raise ValueError(f"codec: a chunk of {window.chunk_frames} frames is longer than the "
+                             f"{self.codec.tail_frames}-frame span less {self.codec.tail_context} frames of context")
+        future: asyncio.Future[FloatAudio] = asyncio.get_running_loop().create_future()
         self._queue.append(_Job(window, time.perf_counter() if deadline is None else deadline, future, times,
                                 length))
-        self._queued_rows += length
+        self._queued_rows += self.codec.span(length)
         self._wake.set()
         return await future
 
@@ -788,19 +843,22 @@ class CodecBatcher:
                                key=lambda job: job.deadline)[:self._batch_size(length)]
                 taken = {id(job) for job in group}
                 self._queue = [job for job in self._queue if id(job) not in taken]
-                self._queued_rows = sum(job.length for job in self._queue)
+                self._queued_rows = sum(self.codec.span(job.length) for job in self._queue)
                 await self._decode_batch(loop, group)
 
     def _batch_size(self, length: int) -> int:
-        return batch_size(length, self.max_batch, self.max_batch_frames, self.codec.graph_buckets(length))
+        return batch_size(self.codec.span(length), self.max_batch, self.max_batch_frames,
+                          self.codec.graph_buckets(length))
 
     async def _decode_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Job]) -> None:
         codes = np.stack([padded(job.window.frames, job.length) for job in batch])
-        rows = codes.shape[0] * codes.shape[1]
+        length, spf = codes.shape[1], self.codec.layout.samples_per_frame
+        ends = [_end_frame(job.window, spf) for job in batch]
+        rows = len(batch) * self.codec.span(length)
         began = time.perf_counter()
         self._in_flight = (began, rows)
         try:
-            audio = await loop.run_in_executor(self._executor, self.codec.decode, codes)
+            audio = await loop.run_in_executor(self._executor, self.codec.decode, codes, ends)
         except Exception as exc:
             for job in batch:
                 if not job.future.done():
@@ -812,13 +870,14 @@ class CodecBatcher:
         per_row = (ended - began) / rows
         hold = self.ROW_SECONDS_HOLD
         self._row_s = per_row if self._row_s is None else hold * self._row_s + (1 - hold) * per_row
-        self._count(len(batch), rows, ended - began,
+        self._count(len(batch), codes.shape[0] * length, ended - began,
                     sum(1 for job in batch if job.deadline < ended))
-        for row, job in enumerate(batch):
+        for row, (job, end) in enumerate(zip(batch, ends, strict=True)):
             if job.times is not None:
                 job.times += [began, ended]
             if not job.future.done():
-                job.future.set_result(audio[row, job.window.emit_start:job.window.emit_end])
+                offset = self.codec.span_start(length, end) * spf
+                job.future.set_result(audio[row, job.window.emit_start - offset:job.window.emit_end - offset])
 
     def _count(self, size: int, frames: int, seconds: float, late: int) -> None:
         s = self.stats

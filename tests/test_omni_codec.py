@@ -6,6 +6,7 @@ windows of concurrent streams."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ pytest.importorskip("vllm_omni", reason="vllm-omni is not installed (extra omni-
 
 import torch
 from safetensors.torch import save_file
-from voicewire.adapters.omni_codec import QWEN3_LAYOUT, QWEN3_POLICY, Qwen3Codec
+from voicewire.adapters.omni_codec import QWEN3_LAYOUT, QWEN3_POLICY, Qwen3Codec, conv_context_frames
 from voicewire.adapters.omni_testing import write_qwen3_tts
 from voicewire.adapters.talker_codec import ChunkStreamer, CodecBatcher, DecodeWindow
 
@@ -178,3 +179,53 @@ async def test_windows_are_padded_at_their_end_to_the_next_prepared_length(codec
     for window, got in zip(windows, audio, strict=True):
         assert got.shape == (len(window.frames) * SPF,)
         np.testing.assert_allclose(got, codec.decode(window.frames[None])[0], atol=TOLERANCE)
+
+
+def test_a_span_decodes_its_chunk_as_the_whole_window_does(codec: Qwen3Codec) -> None:
+    """Given chunk ends, windows longer than `tail_frames` decode only the span up to each chunk's end, in one
+    batch whatever each row's span: a full window (72 frames of context, a 25-frame chunk), a window whose
+    chunk ends early (end padding after it) and one whose chunk ends within the first span (from frame 0). The
+    chunk's samples equal the whole window's decode; frames with less than the convolutions' context before
+    them in the span do not, which is why the span carries it.
+
+    The context by hand: the two ConvNeXt blocks' kernel-7 convolutions at 2 and 4 samples a frame (3 + 1.5
+    frames), the decoder's first convolution at 4 (1.5), per upsampling block its transposed convolution (one
+    input back) and three residual kernel-7 convolutions dilated 1, 3, 9 (78 samples) at 4 -> 32, 32 -> 160,
+    160 -> 640 and 640 -> 1920 samples a frame, and the last kernel-7 convolution: 9.38 frames."""
+    by_hand = 3 + 1.5 + 1.5 + sum(1 / rate_in + 78 / rate_out
+                                   for rate_in, rate_out in ((4, 32), (32, 160), (160, 640), (640, 1920))) + 6 / 1920
+    assert math.ceil(by_hand) == conv_context_frames(codec._model) == codec.tail_context == 10
+    assert codec.tail_frames == QWEN3_POLICY.steady_frames + 10 == 35
+    windows = np.stack([random_frames(97, seed) for seed in range(3)])
+    chunks = [(72, 97), (40, 55), (5, 20)]
+    spans = codec.decode(windows, [end for _, end in chunks])
+    whole = codec.decode(windows)
+    assert spans.shape == (3, 35 * SPF) and whole.shape == (3, 97 * SPF)
+    for row, (first, end) in enumerate(chunks):
+        start = codec.span_start(97, end)
+        assert start == max(end - 35, 0)
+        np.testing.assert_allclose(spans[row, (first - start) * SPF:(end - start) * SPF],
+                                   whole[row, first * SPF:end * SPF], atol=TOLERANCE)
+    short = spans[0, :2 * SPF] - whole[0, 62 * SPF:64 * SPF]  # frames 62-63: no context in the span
+    assert np.abs(short).max() > 100 * TOLERANCE
+
+
+async def test_the_batcher_decodes_long_windows_by_their_spans(codec: Qwen3Codec) -> None:
+    """A stream long enough for full windows, through the batcher on a codec prepared with the engine's
+    lengths: every chunk equals vllm-omni's whole decoding, while the batcher counts the spans' frames as its
+    work; a chunk too long for the span after its context is refused."""
+    frames = random_frames(160, 3)
+    windows = streamed(frames, [1, 3, 8, 20, 40, 40, 48])
+    codec.prepare((1, 2, 4, 8, 16, 32, 64, 97), max_batch=4)
+    batcher = CodecBatcher(codec, max_batch=4, max_batch_frames=4 * 97)
+    batcher.start()
+    try:
+        assert any(codec.padded_length(len(w.frames)) == 97 for w in windows)
+        chunked = np.concatenate([await batcher.decode(window) for window in windows])
+        too_long = DecodeWindow(0, frames[:97], 60 * SPF, 97 * SPF, 37)
+        with pytest.raises(ValueError, match="longer than the 35-frame span"):
+            await batcher.decode(too_long)
+    finally:
+        await batcher.close()
+        codec.prepare((), max_batch=4)
+    np.testing.assert_allclose(chunked, vllm_omni_whole(codec, frames), atol=TOLERANCE)
