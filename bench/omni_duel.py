@@ -572,6 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     task_types = [t for t in args.task_types.split(",") if t]
     if not set(task_types) <= set(TASK_TYPES):
         parser.error(f"--task-types from {', '.join(TASK_TYPES)}")
+    if len(servers) * len(task_types) > 1 and not args.sequential and _cuda():
+        parser.error("on a GPU, vllm-omni sets up the stages of every process on the device one at a time, so the "
+                     "second server is not ready before a device call's limit (docs/benchmarks.md): one server "
+                     "and task type a call, or --sequential")
     root = Path(tempfile.mkdtemp(prefix="omni-duel-"))
     logs = args.out or root
     logs.mkdir(parents=True, exist_ok=True)
