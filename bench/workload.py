@@ -132,8 +132,8 @@ class Provenance:
     cores: int
     load_before: tuple[float, float, float]
     commit: str
-    """`git rev-parse --short HEAD`, `+dirty` when tracked files have changes; without a git checkout (a
-    device machine gets the files only) $VOICEWIRE_COMMIT, else `unknown`."""
+    """`git_commit`: $VOICEWIRE_COMMIT where set (what a device call runs), else `git rev-parse --short
+    HEAD`, `+dirty` when tracked files have changes, else `unknown`."""
     ended: str = ""
     load_after: tuple[float, float, float] | None = None
 
@@ -178,15 +178,19 @@ REPOSITORY = Path(__file__).resolve().parent.parent
 
 
 def git_commit(repo: Path = REPOSITORY) -> str:
-    """`repo`'s HEAD as `git rev-parse --short` writes it, `+dirty` when tracked files have changes;
-    $VOICEWIRE_COMMIT or `unknown` where there is no git checkout."""
+    """$VOICEWIRE_COMMIT where it is set (a device machine's copy of the tree may carry stale git metadata:
+    on 2026-12-06 it named a commit six back); else `repo`'s HEAD as `git rev-parse --short` writes it,
+    `+dirty` when tracked files have changes; `unknown` where there is no git checkout."""
+    given = os.environ.get("VOICEWIRE_COMMIT")
+    if given:
+        return given
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
         changes = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                                  capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("VOICEWIRE_COMMIT") or "unknown"
+        return "unknown"
     return head + ("+dirty" if changes else "")
 
 

@@ -65,6 +65,7 @@ def _git(repo: Path, *args: str) -> None:
 
 def test_the_commit_is_marked_dirty_by_changed_tracked_files_only(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VOICEWIRE_COMMIT", raising=False)
     _git(tmp_path, "init", "-q")
     (tmp_path / "a.txt").write_text("one")
     _git(tmp_path, "add", "a.txt")
@@ -78,10 +79,10 @@ def test_the_commit_is_marked_dirty_by_changed_tracked_files_only(tmp_path: Path
     outside = tmp_path / "not-a-checkout"
     outside.mkdir()
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
-    monkeypatch.delenv("VOICEWIRE_COMMIT", raising=False)
     assert git_commit(outside) == "unknown"
     monkeypatch.setenv("VOICEWIRE_COMMIT", "6e464c8")
     assert git_commit(outside) == "6e464c8"
+    assert git_commit(tmp_path) == "6e464c8", "the commit a device call names wins over the copy's git metadata"
 
 
 def test_ttfa_summarises_each_mode_over_its_rounds() -> None:
