@@ -70,20 +70,22 @@ class Qwen3Codec(GraphedCodec):
     and the `decoder.*` tensors of its `*.safetensors`), decoding windows of shape (batch, n, 16) to
     (batch, n * 1920) float32 audio (`GraphedCodec.decode`); given chunk ends, a window's convolutions run over
     its last `QWEN3_POLICY.steady_frames` + `conv_context_frames` frames (`tail_frames`) up to its chunk's end
-    only. `random_weights`: seeded random weights (`RANDOM_SCALE`) instead of reading any (the random-weight
-    test and benchmark models ship none). Runs in float32 by default, as vllm-omni's code2wav stage does.
+    only (`spans`; False decodes every window whole, the baseline of `bench/omni_codec.py`). `random_weights`:
+    seeded random weights (`RANDOM_SCALE`) instead of reading any (the random-weight test and benchmark models
+    ship none). Runs in float32 by default, as vllm-omni's code2wav stage does.
     Needs vllm-omni installed."""
 
     layout = QWEN3_LAYOUT
     causal = True
 
     def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "float32",
-                 cuda_graphs: bool = True, random_weights: bool = False) -> None:
+                 cuda_graphs: bool = True, random_weights: bool = False, spans: bool = True) -> None:
         self.folder = Path(model_dir) / "speech_tokenizer"
         if not (self.folder / "config.json").is_file():
             raise FileNotFoundError(f"omni codec: {self.folder / 'config.json'} is missing (a Qwen3-TTS 12 Hz model "
                                     "folder has its speech tokenizer there)")
         self.random_weights = random_weights
+        self.spans = spans
         super().__init__(device, dtype, cuda_graphs)
 
     def load(self) -> None:
@@ -119,8 +121,9 @@ class Qwen3Codec(GraphedCodec):
         decoder = decoder.to(device=device, dtype=getattr(torch, dtype)).eval()
         if hasattr(decoder, "precompute_snake_caches"):
             decoder.precompute_snake_caches()
-        self.tail_context = conv_context_frames(decoder)
-        self.tail_frames = QWEN3_POLICY.steady_frames + self.tail_context
+        if self.spans:
+            self.tail_context = conv_context_frames(decoder)
+            self.tail_frames = QWEN3_POLICY.steady_frames + self.tail_context
         self._model, self._torch = decoder, cast(Any, torch)
         if device.startswith("cuda"):
             self._stream = self._torch.cuda.Stream(device=device)

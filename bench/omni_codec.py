@@ -3,11 +3,12 @@
 A steady-state window of the own codec route is 97 frames: 72 of left context (the decoder transformer's
 sliding window) and a 25-frame chunk. Decoded whole, the upsampling convolutions run over all 97 frames; over
 its span (`GraphedCodec.tail_frames`, `adapters/omni_codec.py`), over the chunk and the 10 frames of context
-they need. This bench times both on the same random codes, per batch size, on the 1.7B model's tokenizer
-shapes with random weights (`bench.omni_duel.write_model`): ms per call and per window, median [min-max] over
-`--rounds`, the span's time over the whole decode's, and the largest difference between the two decodes'
-chunk samples. On CUDA both run through CUDA graphs captured for the window length (as the engine does); on
-the CPU eagerly, in float32 on the threads torch is given (`--threads`).
+they need. This bench times both (one `Qwen3Codec` with spans, one with `spans=False`) on the same random
+codes, per batch size, on the 1.7B model's tokenizer shapes with random weights (`bench.omni_duel.write_model`):
+ms per call and per window, median [min-max] over `--rounds`, the span's time over the whole decode's, and the
+largest difference between the two decodes' chunk samples. On CUDA both run through CUDA graphs captured for
+the window length (as the engine does); on the CPU eagerly, in float32 on the threads torch is given
+(`--threads`).
 
 Run from the repository root: `python -m bench.omni_codec` (`--help` for the options).
 """
@@ -45,24 +46,26 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     provenance = Provenance.begin()
     batches = [int(b) for b in args.batches.split(",") if b]
-    codec = Qwen3Codec(write_model(Path(tempfile.mkdtemp(prefix="omni-codec-")) / "model", "1.7b"),
-                       random_weights=True)
-    codec.load()
-    codec.prepare((WINDOW,), max_batch=max(batches))
-    print(f"device {codec.device}, {codec.graph_shapes} CUDA graphs, span {codec.tail_frames} frames "
-          f"({codec.tail_context} of context) of a {WINDOW}-frame window", flush=True)
+    model = write_model(Path(tempfile.mkdtemp(prefix="omni-codec-")) / "model", "1.7b")
+    codec, whole_codec = (Qwen3Codec(model, random_weights=True, spans=spans) for spans in (True, False))
+    for each in (codec, whole_codec):
+        each.load()
+        each.prepare((WINDOW,), max_batch=max(batches))
+    print(f"device {codec.device}, {codec.graph_shapes} + {whole_codec.graph_shapes} CUDA graphs (span, whole), "
+          f"span {codec.tail_frames} frames ({codec.tail_context} of context) of a {WINDOW}-frame window",
+          flush=True)
     rng = np.random.default_rng(7)
     rows = []
     for batch in batches:
         frames = rng.integers(0, 2048, size=(batch, WINDOW, 16), dtype=np.int64)
         ends = [WINDOW] * batch
-        whole, span = codec.decode(frames), codec.decode(frames, ends)  # warm-up (and the comparison)
+        whole, span = whole_codec.decode(frames, ends), codec.decode(frames, ends)  # warm-up, and the comparison
         start = codec.span_start(WINDOW, WINDOW)
         spf = codec.layout.samples_per_frame
         error = float(np.abs(whole[:, (WINDOW - CHUNK) * spf:] - span[:, (WINDOW - CHUNK - start) * spf:]).max())
         rounds: list[dict[str, float]] = []
         for _ in range(args.rounds):
-            rounds.append({"whole": _ms_per_call(codec, frames, None, args.calls),
+            rounds.append({"whole": _ms_per_call(whole_codec, frames, ends, args.calls),
                            "span": _ms_per_call(codec, frames, ends, args.calls)})
             print(f"  batch {batch}: whole {rounds[-1]['whole']:.1f} ms, span {rounds[-1]['span']:.1f} ms a call",
                   flush=True)
