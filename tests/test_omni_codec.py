@@ -229,3 +229,15 @@ async def test_the_batcher_decodes_long_windows_by_their_spans(codec: Qwen3Codec
         await batcher.close()
         codec.prepare((), max_batch=4)
     np.testing.assert_allclose(chunked, vllm_omni_whole(codec, frames), atol=TOLERANCE)
+
+
+def test_without_spans_every_window_is_decoded_whole(model: Path, codec: Qwen3Codec) -> None:
+    """`spans=False` (the baseline `bench/omni_codec.py` times spans against): chunk ends change nothing, the
+    whole window's audio comes back, equal to the spanned codec's whole decode with the same weights."""
+    whole = Qwen3Codec(model, device="cpu", random_weights=True, spans=False)
+    whole.load()
+    whole._model.load_state_dict(codec._model.state_dict())
+    whole._model.precompute_snake_caches()
+    frames = random_frames(97, 5)[None]
+    assert whole.tail_frames is None and whole.span(97) == 97
+    np.testing.assert_allclose(whole.decode(frames, [97]), codec.decode(frames), atol=TOLERANCE)
