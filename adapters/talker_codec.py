@@ -308,11 +308,6 @@ class ChunkStreamer:
         return self._codes
 
 
-def _end_frame(window: DecodeWindow, samples_per_frame: int) -> int:
-    """The window frame its chunk ends in (exclusive)."""
-    return -(-window.emit_end // samples_per_frame)
-
-
 def padded(frames: CodeFrames, length: int) -> CodeFrames:
     """`frames` (n, codes per frame) with copies of the last frame appended up to `length` rows (as they are
     when n is `length` or more)."""
@@ -726,6 +721,10 @@ class _Job:
     times: list[float] | None
     length: int
     """The window's decoded length (`GraphedCodec.padded_length`)."""
+    end: int
+    """The window frame its chunk ends in (exclusive): where its decoded span ends (`GraphedCodec.span_start`)."""
+    start: int
+    """The first frame of its decoded span."""
 
 
 class CodecBatcher:
@@ -817,13 +816,14 @@ class CodecBatcher:
             raise RuntimeError("talker codec: batcher not started")
         length = self.codec.padded_length(len(window.frames))
         spf = self.codec.layout.samples_per_frame
-        start = self.codec.span_start(length, _end_frame(window, spf))
+        end = -(-window.emit_end // spf)
+        start = self.codec.span_start(length, end)
         if start and window.emit_start < (start + self.codec.tail_context) * spf:
             raise ValueError(f"codec: a chunk of {window.chunk_frames} frames is longer than the "
                              f"{self.codec.tail_frames}-frame span less {self.codec.tail_context} frames of context")
         future: asyncio.Future[FloatAudio] = asyncio.get_running_loop().create_future()
         self._queue.append(_Job(window, time.perf_counter() if deadline is None else deadline, future, times,
-                                length))
+                                length, end, start))
         self._queued_rows += self.codec.span(length)
         self._wake.set()
         return await future
@@ -853,7 +853,7 @@ class CodecBatcher:
     async def _decode_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Job]) -> None:
         codes = np.stack([padded(job.window.frames, job.length) for job in batch])
         length, spf = codes.shape[1], self.codec.layout.samples_per_frame
-        ends = [_end_frame(job.window, spf) for job in batch]
+        ends = [job.end for job in batch]
         rows = len(batch) * self.codec.span(length)
         began = time.perf_counter()
         self._in_flight = (began, rows)
@@ -872,11 +872,11 @@ class CodecBatcher:
         self._row_s = per_row if self._row_s is None else hold * self._row_s + (1 - hold) * per_row
         self._count(len(batch), codes.shape[0] * length, ended - began,
                     sum(1 for job in batch if job.deadline < ended))
-        for row, (job, end) in enumerate(zip(batch, ends, strict=True)):
+        for row, job in enumerate(batch):
             if job.times is not None:
                 job.times += [began, ended]
             if not job.future.done():
-                offset = self.codec.span_start(length, end) * spf
+                offset = job.start * spf
                 job.future.set_result(audio[row, job.window.emit_start - offset:job.window.emit_end - offset])
 
     def _count(self, size: int, frames: int, seconds: float, late: int) -> None:
