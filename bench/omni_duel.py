@@ -16,7 +16,9 @@ asks for `max_new_tokens` = `--frames`. The stage config starts from `--deploy-c
 voicewire's CPU config on a CPU build, vllm-omni's own `deploy/qwen3_tts.yaml` on a GPU) and the bench
 changes only what it must: dummy weights, `max_num_seqs` >= the highest concurrency, and on a GPU each
 stage's memory share (`--gpu-share`, `--kv-cache-gib`) so that both servers fit on one GPU at once.
-Connector, chunk and sampling settings stay as given.
+Connector, chunk and sampling settings stay as given, but for what vllm-omni's high-concurrency profile
+changes in the talker, when asked: `--talker-step-tokens` (prompt tokens a talker step prefills) and
+`--predictor-prefix-graphs` (the code predictor's prefix CUDA graphs).
 
 The WebSocket clients and the REST clients run in a process of their own (spawned), each session from its
 own loopback address (voicewire caps sessions per address). Per concurrency C and round, C sessions at
@@ -153,9 +155,19 @@ def default_deploy_config() -> Path:
     return Path(CPU_STAGE_CONFIGS["qwen3_tts"])
 
 
+PREFIX_GRAPH_SEQ_LENS: Final = (2, 3, 4, 5, 6, 7, 8)
+"""The code predictor's sequence lengths `--predictor-prefix-graphs` captures graphs for: its first 7 residual
+codebooks, the lengths vllm-omni's own `deploy/qwen3_tts_high_concurrency.yaml` lists."""
+
+
 def write_deploy_config(base: Path, out: Path, *, max_num_seqs: int, gpu_share: float | None,
-                        kv_cache_gib: float | None) -> Path:
-    """`base` with what the duel needs (see the module doc); connectors and chunk settings untouched."""
+                        kv_cache_gib: float | None, talker_step_tokens: int | None = None,
+                        prefix_graph_batches: Sequence[int] = ()) -> Path:
+    """`base` with what the duel needs (see the module doc); connectors and chunk settings untouched unless
+    asked: `talker_step_tokens` sets stage 0's `max_num_batched_tokens` (the prompt tokens one talker step
+    may prefill), `prefix_graph_batches` turns on the talker's code-predictor prefix CUDA graphs for those
+    batch sizes (every connector's `extra`, where vllm-omni's talker reads them; ignored off CUDA). Both are
+    what vllm-omni's high-concurrency profile changes for the talker."""
     import yaml
 
     deploy = cast(dict[str, Any], yaml.safe_load(base.read_text()))
@@ -166,6 +178,13 @@ def write_deploy_config(base: Path, out: Path, *, max_num_seqs: int, gpu_share: 
             stage["gpu_memory_utilization"] = gpu_share
         if kv_cache_gib is not None:
             stage["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        if talker_step_tokens is not None and stage.get("stage_id") == 0:
+            stage["max_num_batched_tokens"] = talker_step_tokens
+    if prefix_graph_batches:
+        for connector in deploy.get("connectors", {}).values():
+            connector.setdefault("extra", {}).update(
+                code_predictor_prefix_graphs=True, code_predictor_prefix_graph_buckets=list(prefix_graph_batches),
+                code_predictor_prefix_graph_seq_lens=list(PREFIX_GRAPH_SEQ_LENS))
     out.write_text(yaml.safe_dump(deploy, sort_keys=False))
     return out
 
@@ -538,6 +557,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="gpu_memory_utilization of every stage (both servers' four stages share one GPU)")
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="fixed KV cache per stage (skips vLLM's memory profiling, which concurrent starts upset)")
+    parser.add_argument("--talker-step-tokens", type=int, default=None, metavar="N",
+                        help="stage 0's max_num_batched_tokens (vllm-omni's high-concurrency profile: 512, so a "
+                             "burst's prompts are prefilled a few a step between the running streams' steps)")
+    parser.add_argument("--predictor-prefix-graphs", default="", metavar="BATCHES",
+                        help="batch sizes, comma-separated, to capture the talker's code-predictor prefix CUDA "
+                             "graphs for (vllm-omni's high-concurrency profile: 64)")
     parser.add_argument("--voicewire-args", default="", metavar="'FLAGS'",
                         help="more `voicewire serve` flags for voicewire, e.g. '--omni-pace-lead-ms 55,2.75'")
     parser.add_argument("--sequential", action="store_true", help="start and measure one server after the other")
@@ -582,7 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     models = {task: write_model(root / f"model-{task}", args.shape, task) for task in task_types}
     base = args.deploy_config or default_deploy_config()
     deploy = write_deploy_config(base, root / "deploy.yaml", max_num_seqs=max(levels),
-                                 gpu_share=args.gpu_share, kv_cache_gib=args.kv_cache_gib)
+                                 gpu_share=args.gpu_share, kv_cache_gib=args.kv_cache_gib,
+                                 talker_step_tokens=args.talker_step_tokens,
+                                 prefix_graph_batches=[int(b) for b in args.predictor_prefix_graphs.split(",") if b])
     rate = sample_rate(models[task_types[0]])
     fields = {"response_format": "pcm", "max_new_tokens": args.frames}
     results: dict[str, Any] = {"shape": args.shape, "frames": args.frames, "text_chars": len(TEXT), "rate": rate,
