@@ -125,6 +125,25 @@ async def test_a_websocket_utterance_streams_every_frame_the_talker_made(server:
     assert int(np.abs(audio).max()) > 0
 
 
+async def test_rest_streams_the_units_audio_as_its_chunks_are_decoded(server: ServerThread) -> None:
+    """`POST /v1/audio/speech` with `stream_format: "audio"` on the own codec: the body arrives in pieces as
+    chunks are decoded (the first 80 ms frame before the rest), and holds every frame the talker made, pcm16."""
+    text = "Spoken over REST by our own codec one chunk after another."  # one unit: no clause to speak first
+    body = {"input": text, "response_format": "pcm", "stream_format": "audio", "task_type": "Base",
+            "ref_audio": wav_base64(reference(1.5)), "x_vector_only_mode": True, "seed": 5}
+    pieces: list[bytes] = []
+    async with (httpx.AsyncClient(base_url=server.http_url, timeout=300) as client,
+                client.stream("POST", "/v1/audio/speech", json=body) as response):
+        assert response.status_code == 200, await response.aread()
+        assert response.headers["content-type"].startswith("audio/pcm")
+        async for piece in response.aiter_raw():
+            pieces.append(piece)
+    audio = np.frombuffer(b"".join(pieces), np.int16)
+    assert len(audio) == (frames_for(text) - 1) * FRAME
+    assert len(pieces) > 1 and len(pieces[0]) <= 2 * FRAME, "streamed: the first frame alone, then the rest"
+    assert int(np.abs(audio).max()) > 0
+
+
 async def test_chunks_equal_one_whole_decode_of_the_same_frames(server: ServerThread) -> None:
     """x-vector-only cloning: no reference codes, so the chunks equal a whole decode of the talker's frames."""
     text = "Every seam between chunks must be inaudible: the same samples as one whole decode. " * 2
