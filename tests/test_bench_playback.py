@@ -1,11 +1,15 @@
-"""The benches' playback replay (`bench.workload.play`), and the duel's pcm16 byte counting and per-round
-figures (`bench.omni_duel`)."""
+"""The benches' playback replay (`bench.workload.play`), and the duel's pcm16 byte counting, per-round
+figures and stage config (`bench.omni_duel`)."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from bench.omni_duel import expected_audio_s, figures, measure, pcm_samples
+import pytest
+import yaml
+from voicewire.adapters.omni import CPU_STAGE_CONFIGS
+
+from bench.omni_duel import PREFIX_GRAPH_SEQ_LENS, expected_audio_s, figures, measure, pcm_samples, write_deploy_config
 from bench.workload import play
 
 
@@ -56,3 +60,24 @@ def test_the_duel_says_at_which_piece_its_streams_stalled() -> None:
     assert got["stall_chunks"] == [[1], [8]]
     assert got["timelines"][0] == [[50, 80], [250, 80], [260, 2000]]
     assert figures([got], 2.16)["stalls_at"] == "#2: 1, later: 1"
+
+
+def test_the_duels_stage_config_changes_the_talker_only_where_asked(tmp_path: Path) -> None:
+    base = CPU_STAGE_CONFIGS["qwen3_tts"]
+    given = yaml.safe_load(base.read_text())
+    plain = yaml.safe_load(write_deploy_config(base, tmp_path / "plain.yaml", max_num_seqs=64, gpu_share=None,
+                                               kv_cache_gib=None).read_text())
+    assert plain["connectors"] == given["connectors"]
+    assert [s["max_num_batched_tokens"] for s in plain["stages"]] == [s["max_num_batched_tokens"]
+                                                                      for s in given["stages"]]
+    assert all(s["load_format"] == "dummy" and s["max_num_seqs"] == 64 for s in plain["stages"])
+    tuned = yaml.safe_load(write_deploy_config(base, tmp_path / "tuned.yaml", max_num_seqs=64, gpu_share=None,
+                                               kv_cache_gib=None, talker_step_tokens=512,
+                                               prefix_graph_batches=[64]).read_text())
+    talker, code2wav = tuned["stages"]
+    assert talker["max_num_batched_tokens"] == 512
+    assert code2wav["max_num_batched_tokens"] == given["stages"][1]["max_num_batched_tokens"]
+    [connector] = tuned["connectors"].values()
+    assert connector["extra"] == {**given["connectors"]["connector_of_shared_memory"]["extra"],
+                                  "code_predictor_prefix_graphs": True, "code_predictor_prefix_graph_buckets": [64],
+                                  "code_predictor_prefix_graph_seq_lens": list(PREFIX_GRAPH_SEQ_LENS)}
