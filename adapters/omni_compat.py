@@ -128,8 +128,8 @@ def create_async_omni(model: str, deploy_config: str | None, *, init_timeout_s: 
 
     `deploy_config` None lets vllm-omni pick its own deploy YAML for the model type. On vLLM's CPU build,
     with a release that can, the stages start at once instead of one after the other (`parallel_stage_init`:
-    there is no device memory for them to race for; measured on 2 cores, 62-66 s to ready against 76-83 s
-    for the tiny test model). On a GPU they keep vllm-omni's default, one at a time: its parallel start is
+    there is no device memory for them to race for; measured on 2 cores, 66 s to ready against 82 s for the
+    tiny test model, docs/engines.md). On a GPU they keep vllm-omni's default, one at a time: its parallel start is
     for a GPU that no other process uses."""
     from vllm.platforms import current_platform
     from vllm_omni.entrypoints.async_omni import AsyncOmni

@@ -55,13 +55,12 @@ def main(argv: list[str] | None = None) -> int:
           f"span {codec.tail_frames} frames ({codec.tail_context} of context) of a {WINDOW}-frame window",
           flush=True)
     rng = np.random.default_rng(7)
+    start, spf = codec.span_start(WINDOW, WINDOW), codec.layout.samples_per_frame
     rows = []
     for batch in batches:
         frames = rng.integers(0, 2048, size=(batch, WINDOW, 16), dtype=np.int64)
         ends = [WINDOW] * batch
         whole, span = whole_codec.decode(frames, ends), codec.decode(frames, ends)  # warm-up, and the comparison
-        start = codec.span_start(WINDOW, WINDOW)
-        spf = codec.layout.samples_per_frame
         error = float(np.abs(whole[:, (WINDOW - CHUNK) * spf:] - span[:, (WINDOW - CHUNK - start) * spf:]).max())
         rounds: list[dict[str, float]] = []
         for _ in range(args.rounds):
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _ms_per_call(codec: Any, frames: np.ndarray, ends: list[int] | None, calls: int) -> float:
+def _ms_per_call(codec: Any, frames: np.ndarray, ends: list[int], calls: int) -> float:
     times = []
     for _ in range(calls):
         began = time.perf_counter()
