@@ -191,8 +191,12 @@ def valid_values(struct: type[msgspec.Struct], field: str | None) -> str:
 
 
 def _classify(data: str | bytes, exc: msgspec.ValidationError) -> ProtocolError:
+    """The error a frame the typed decoder refused gets, from an untyped decode of it. That decode may still
+    fail: the typed one stops at the first field of the wrong type, before any malformed JSON after it."""
     try:
         raw: Any = _raw_decoder.decode(data)
+    except msgspec.DecodeError:
+        return ProtocolError("invalid_json", "Invalid JSON message")
     except RecursionError:
         return ProtocolError("invalid_message", "JSON nested too deeply")
     if not isinstance(raw, dict):
