@@ -57,7 +57,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final, cast
 
@@ -131,6 +131,9 @@ class OmniConfig:
     own_codec: bool = False
     """Decode the talker's frames in voicewire's own batched codec path (`omni_frames`, `omni_codec`) instead
     of vllm-omni's code2wav stage; chunks then follow the talker engine's paced schedule (`QWEN3_POLICY`)."""
+    codec_margin_s: float | None = None
+    """With `own_codec`: the paced schedule's least margin (`ChunkPolicy.margin_s`), how long before a listener
+    runs dry its next chunk is cut; None: `QWEN3_POLICY`'s."""
 
     def __post_init__(self) -> None:
         if self.codec_chunk_ramp and (len(self.codec_chunk_ramp) < 2 or min(self.codec_chunk_ramp) < 1):
@@ -142,6 +145,9 @@ class OmniConfig:
             raise ValueError("omni: with voicewire's own codec, chunks are cut by its schedule: no pacing or ramp")
         if self.pacing is not None and min(self.pacing) < 0:
             raise ValueError(f"omni: the pacing lead {self.pacing} cannot be negative")
+        if self.codec_margin_s is not None and (self.codec_margin_s < 0 or not self.own_codec):
+            raise ValueError(f"omni: a codec margin ({self.codec_margin_s} s) is for voicewire's own codec, and "
+                             "cannot be negative")
 
 
 class CachedReferences:
@@ -280,6 +286,8 @@ class OmniEngine:
         self._board: DeliveryBoard | None = None
         self._router: FrameRouter | None = None
         self._batcher: CodecBatcher | None = None
+        self._chunks = (QWEN3_POLICY if config.codec_margin_s is None
+                        else replace(QWEN3_POLICY, margin_s=config.codec_margin_s))
 
     @property
     def info(self) -> EngineInfo:
@@ -536,7 +544,7 @@ class OmniEngine:
         sampling = self._sampling_params(request, params)
         rate = self.model.sample_rate
         initial = request.initial_codec_chunk_frames or QWEN3_POLICY.initial_frames
-        streamer = ChunkStreamer(QWEN3_POLICY, min(initial, QWEN3_POLICY.steady_frames), layout=QWEN3_LAYOUT,
+        streamer = ChunkStreamer(self._chunks, min(initial, QWEN3_POLICY.steady_frames), layout=QWEN3_LAYOUT,
                                  window_lengths=batcher.codec.graph_lengths)
         first = TokenCounts(text_tokens, omni_compat.qwen3_tts_reference_tokens(params))
 

