@@ -2,7 +2,8 @@
 
 Hypothesis drives random sequences of valid, invalid and out-of-order client frames at one session. After
 every frame: every event received so far decodes as one of our event types, and a second, healthy session
-still gets a whole utterance back. After each sequence: no server task, session or socket is left behind.
+still gets a whole utterance back. After each sequence: the session never met an internal error (bad input
+gets its own error code), and no server task, session or socket is left behind.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ frames: st.SearchStrategy[str | bytes] = st.one_of(
     st.sampled_from(["{", "[]", "null", '"x"', "{}", '{"type": 5}', '{"type": "input.text", "text": null}']),
     json_values.map(lambda v: json.dumps({"type": "input.text", "text": "ok", "extra": v})),
     json_values.map(json.dumps),
+    # a field of the wrong type, then malformed JSON: the typed decode stops at the field before the rest
+    st.tuples(json_values, st.sampled_from(["NaN", "-Infinity", "tru", "'x'", "01", ""])).map(
+        lambda pair: f'{{"type": {json.dumps(pair[0])}, "text": 5, "x": {pair[1]}}}'),
     st.binary(max_size=16),
 )
 
@@ -123,6 +127,9 @@ async def _run(srv: ServerThread, sequence: list[str | bytes], configured_first:
                 await drain(ws, events)
         # `drain` decoded every event with our ServerEvent union: an unknown or malformed event raised.
         assert all(isinstance(e, msgspec.Struct) for e in events)
+        # bad input gets its own error, never the server's: no internal error, no close for one (1011)
+        assert [e for e in events if getattr(e, "code", None) == "internal_error"] == [], sequence
+        assert ws.close_code != 1011, sequence
     async with asyncio.timeout(30):
         while len(srv.ctx.sessions) or await server_tasks(srv) > tasks_before:
             await asyncio.sleep(0.05)
