@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="vLLM's share of GPU memory (of RAM on a CPU build)")
     talker.add_argument("--initial-codec-chunk-frames", type=int, default=1,
                         help="frames in a unit's first audio chunk (85.3 ms each); sessions may override")
-    talker.add_argument("--codec-margin-ms", type=float, default=None, metavar="MS",
+    talker.add_argument("--codec-margin-ms", type=_seconds, default=None, metavar="MS", dest="codec_margin_s",
                         help="talker, and omni with voicewire's own codec: how long before a listener runs out of "
                              "audio its next chunk is cut, at least (default 120; the schedule adds the codec's "
                              "measured delay and queue to it; raise it where the codec's batches queue longer)")
@@ -121,6 +121,14 @@ def _chunk_ramp(text: str) -> tuple[int, ...] | Literal["paced"]:
                                          "(e.g. 1,2,4,8,16)") from None
 
 
+def _seconds(text: str) -> float:
+    """A flag given in milliseconds, as seconds."""
+    try:
+        return float(text) / 1000
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
+
+
 def _pace_lead(text: str) -> tuple[float, float]:
     """`--omni-pace-lead-ms`: milliseconds and milliseconds per stream, as seconds."""
     try:
@@ -140,8 +148,8 @@ def talker_engine(args: argparse.Namespace) -> Engine | None:
     from voicewire.adapters.talker_codec import ChunkPolicy
 
     chunks = ChunkPolicy(initial_frames=args.initial_codec_chunk_frames)
-    if args.codec_margin_ms is not None:
-        chunks = dataclasses.replace(chunks, margin_s=args.codec_margin_ms / 1000)
+    if args.codec_margin_s is not None:
+        chunks = dataclasses.replace(chunks, margin_s=args.codec_margin_s)
     config = TalkerConfig(talker_model=args.talker_model, codec_model=args.codec_model,
                           max_concurrency=args.talker_max_concurrency,
                           gpu_memory_utilization=args.talker_gpu_memory_utilization,
@@ -168,14 +176,14 @@ def omni_engine(args: argparse.Namespace) -> Engine | None:
     if ramp is not None and args.omni_pace_lead_ms is not None:
         raise ValueError("--omni-pace-lead-ms applies to paced chunks, not to --omni-chunk-ramp "
                          f"{'none' if not ramp else ','.join(map(str, ramp))}")
-    if args.codec_margin_ms is not None and not own_codec:
+    if args.codec_margin_s is not None and not own_codec:
         raise ValueError("--codec-margin-ms applies to voicewire's own codec (--omni-codec voicewire); "
                          "vllm-omni's code2wav chunks are paced by --omni-pace-lead-ms")
     pacing = (args.omni_pace_lead_ms or DEFAULT_PACING) if ramp is None and not own_codec else None
     config = OmniConfig(model=args.model, stage_config=args.stage_config, max_concurrency=args.omni_max_concurrency,
                         random_weights=args.omni_random_weights, pacing=pacing, codec_chunk_ramp=ramp or (),
                         served_model_names=tuple(args.served_model_name), own_codec=own_codec,
-                        codec_margin_s=None if args.codec_margin_ms is None else args.codec_margin_ms / 1000)
+                        codec_margin_s=args.codec_margin_s)
     return create_engine("omni", omni=config)
 
 
