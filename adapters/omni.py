@@ -537,8 +537,11 @@ class OmniEngine:
                               batcher: CodecBatcher) -> AsyncGenerator[AudioPiece, None]:
         """One unit with voicewire's own codec: vllm-omni's talker sends each frame over the frame channel
         (`omni_frames`); the frames are cut into chunks by the paced schedule and decoded in the batcher, most
-        urgent first, each chunk due when the audio before it has played (as the talker engine does). The
-        pipeline's own audio (one frame, decoded at the request's end) is dropped."""
+        urgent first, each chunk due when the audio before it has played (as the talker engine does). While
+        other units' prompts wait for their first frame (the talker's prefill, which lengthens its next step
+        for every request), the unit's first chunk waits for its second frame and takes both, so that a unit
+        started just before a burst does not run dry after one frame. The pipeline's own audio (one frame,
+        decoded at the request's end) is dropped."""
         ticket, arrivals = router.claim()
         prompt["additional_information"][FRAMES_KEY] = [ticket]
         sampling = self._sampling_params(request, params)
@@ -560,7 +563,9 @@ class OmniEngine:
                 if reference is not None:
                     streamer.context(reference)
                 now = time.perf_counter()
-                for window in streamer.push(frames, final=ended, now=now, backlog_s=batcher.backlog_s(now)):
+                # other units' prompts waiting for the talker's prefill: its next step is a long one
+                for window in streamer.push(frames, final=ended, now=now, backlog_s=batcher.backlog_s(now),
+                                            hold_first=router.unstarted > 0):
                     yield window
                 if ended:
                     break

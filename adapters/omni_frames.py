@@ -102,6 +102,8 @@ class FrameRouter(asyncio.DatagramProtocol):
         each reference in `references`."""
         self.references: dict[int, Frame] = {}
         self._queues: dict[int, asyncio.Queue[tuple[int, Frame | None]]] = {}
+        self._unstarted: set[int] = set()
+        """Claimed tickets no frame (nor the end) has arrived for yet: prompts the talker has not prefilled."""
         self._tickets = itertools.count(1)
         self._transport: asyncio.DatagramTransport | None = None
 
@@ -121,11 +123,19 @@ class FrameRouter(asyncio.DatagramProtocol):
         ticket = next(self._tickets)
         queue: asyncio.Queue[tuple[int, Frame | None]] = asyncio.Queue()
         self._queues[ticket] = queue
+        self._unstarted.add(ticket)
         return ticket, queue
 
     def release(self, ticket: int) -> None:
         """`ticket`'s request has ended: later datagrams for it are dropped."""
         self._queues.pop(ticket, None)
+        self._unstarted.discard(ticket)
+
+    @property
+    def unstarted(self) -> int:
+        """Claimed tickets whose request has sent no frame yet (nor its end): prompts waiting for the
+        talker's prefill, which makes the talker's next step longer for every running request."""
+        return len(self._unstarted)
 
     @property
     def claimed(self) -> int:
@@ -143,6 +153,8 @@ class FrameRouter(asyncio.DatagramProtocol):
             self.dropped += 1
             return
         queue.put_nowait((index, codes))
+        if index != REFERENCE_INDEX:
+            self._unstarted.discard(ticket)
         if self.history is not None and codes is not None:
             if index == REFERENCE_INDEX:
                 self.references[ticket] = codes

@@ -182,6 +182,8 @@ class ChunkStreamer:
     """Paced: the held peak of the cut -> decoded latency reported by `delivered` (0 until one is)."""
     _backlog_s: float = 0.0
     """Paced: the codec's backlog given with the latest push."""
+    _held: bool = False
+    """A push held the first chunk back (`push`'s `hold_first`): it takes every frame in hand when cut."""
 
     def context(self, frames: CodeFrames) -> None:
         """Frames that precede the unit's own as the decoder's left context only (a cloned voice's reference
@@ -195,12 +197,15 @@ class ChunkStreamer:
             self._codes = None
 
     def push(self, frames: CodeFrames, final: bool = False, now: float | None = None,
-             backlog_s: float = 0.0) -> list[DecodeWindow]:
+             backlog_s: float = 0.0, hold_first: bool = False) -> list[DecodeWindow]:
         """Add `frames`; `final` says no frame follows them (a chunk ending the unit then needs no stand-in
         future); `now` (seconds, any monotonic clock, the same for every call) paces the schedule by the
         listener's clock and the talker's speed (module doc); `backlog_s`, the codec's estimated work queued
-        ahead of a window cut now (`CodecBatcher.backlog_s`), widens the margin for this push. Call `finish()`
-        after the last push either way."""
+        ahead of a window cut now (`CodecBatcher.backlog_s`), widens the margin for this push. `hold_first`
+        says the talker's next frame may be far off (e.g. other units' prompts wait for its prefill): a
+        first chunk not yet cut then waits for a frame beyond `initial_frames` (unless the frames are
+        `final`), and when cut takes every frame in hand (at most `steady_frames`), so that its audio covers
+        the wait instead of running dry in it. Call `finish()` after the last push either way."""
         self._backlog_s = max(backlog_s, 0.0)
         if len(frames):
             self._frames.append(frames)
@@ -211,8 +216,15 @@ class ChunkStreamer:
         due: list[DecodeWindow] = []
         while self._next < self._total:
             first = self._next == self._base
-            size = (self.initial_frames if first
-                    else max(self.policy.next_size(self._next - self._base), self._affordable(now)))
+            if first and hold_first and not final and self._total - self._base <= self.initial_frames:
+                self._held = True
+                break
+            if first and self._held:
+                size = min(max(self._total - self._next, self.initial_frames), self.policy.steady_frames)
+            elif first:
+                size = self.initial_frames
+            else:
+                size = max(self.policy.next_size(self._next - self._base), self._affordable(now))
             lookahead = self._lookahead()
             if self._total >= self._next + size + lookahead:
                 end = self._next + size

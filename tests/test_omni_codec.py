@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,9 @@ pytest.importorskip("vllm_omni", reason="vllm-omni is not installed (extra omni-
 
 import torch
 from safetensors.torch import save_file
+from voicewire.adapters import omni_frames
 from voicewire.adapters.omni_codec import QWEN3_LAYOUT, QWEN3_POLICY, Qwen3Codec, conv_context_frames
+from voicewire.adapters.omni_frames import FrameRouter
 from voicewire.adapters.omni_testing import write_qwen3_tts
 from voicewire.adapters.talker_codec import ChunkStreamer, CodecBatcher, DecodeWindow
 
@@ -121,6 +124,56 @@ def test_a_reference_is_left_context_that_no_chunk_covers(codec: Qwen3Codec, pac
     late.push(frames[:1])
     with pytest.raises(RuntimeError, match="before the unit's first frames"):
         late.context(reference)
+
+
+def test_a_held_first_chunk_waits_for_its_second_frame_and_takes_both(codec: Qwen3Codec) -> None:
+    """`hold_first` (other units' prompts wait for the talker's prefill): the first frame alone is not cut;
+    with the second the first chunk covers both (160 ms to play through the long step); the rest of the
+    schedule and the seams are as without the hold."""
+    frames = random_frames(40, seed=6)
+    streamer = ChunkStreamer(QWEN3_POLICY, QWEN3_POLICY.initial_frames, layout=QWEN3_LAYOUT)
+    assert streamer.push(frames[:1], now=0.0, hold_first=True) == []
+    first = streamer.push(frames[1:2], now=0.15, hold_first=True)
+    assert [w.chunk_frames for w in first] == [2] and first[0].first_frame == 0
+    windows = first + [w for i in range(2, 40) for w in streamer.push(frames[i:i + 1], final=i == 39,
+                                                                         now=0.15 + 0.02 * i, hold_first=True)]
+    windows += streamer.finish()
+    assert sum(w.chunk_frames for w in windows) == 40
+    chunked = np.concatenate([codec.decode(w.frames[None])[0, w.emit_start:w.emit_end] for w in windows])
+    assert float(np.abs(chunked - vllm_omni_whole(codec, frames)).max()) <= TOLERANCE
+
+
+def test_a_held_first_chunk_goes_out_at_once_when_its_frames_end_the_unit() -> None:
+    streamer = ChunkStreamer(QWEN3_POLICY, QWEN3_POLICY.initial_frames, layout=QWEN3_LAYOUT)
+    windows = streamer.push(random_frames(1, seed=7), final=True, now=0.0, hold_first=True)
+    assert [w.chunk_frames for w in windows] == [1]
+    unheld = ChunkStreamer(QWEN3_POLICY, QWEN3_POLICY.initial_frames, layout=QWEN3_LAYOUT)
+    assert [w.chunk_frames for w in unheld.push(random_frames(3, seed=8), now=0.0)][:1] == [1], \
+        "without a hold the first chunk is one frame, however many are in hand"
+
+
+async def test_the_frame_router_counts_the_units_no_frame_has_arrived_for() -> None:
+    """`FrameRouter.unstarted` (what holds a first chunk, `OmniEngine._synthesize_own`), over its real socket:
+    a claimed ticket counts until its first frame arrives (a reference before it does not count as one), its
+    end, or its release."""
+    router = await FrameRouter.open()
+    talker = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        (a, queue_a), (b, queue_b), (c, _) = router.claim(), router.claim(), router.claim()
+        assert router.unstarted == 3
+        talker.sendto(omni_frames.encode(a, 2, list(range(2 * CODES)), omni_frames.REFERENCE), router.path)
+        await queue_a.get()
+        assert router.unstarted == 3, "a reference is not a frame"
+        talker.sendto(omni_frames.encode(a, 0, list(range(CODES))), router.path)
+        talker.sendto(omni_frames.encode(b, 0, None), router.path)
+        await queue_a.get()
+        await queue_b.get()
+        assert router.unstarted == 1
+        router.release(c)
+        assert router.unstarted == 0 and router.claimed == 2
+    finally:
+        talker.close()
+        router.close()
 
 
 def test_weights_are_read_from_the_speech_tokenizers_safetensors(model: Path, codec: Qwen3Codec,
