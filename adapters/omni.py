@@ -538,10 +538,11 @@ class OmniEngine:
         """One unit with voicewire's own codec: vllm-omni's talker sends each frame over the frame channel
         (`omni_frames`); the frames are cut into chunks by the paced schedule and decoded in the batcher, most
         urgent first, each chunk due when the audio before it has played (as the talker engine does). While
-        other units' prompts wait for their first frame (the talker's prefill, which lengthens its next step
-        for every request), the unit's first chunk waits for its second frame and takes both, so that a unit
-        started just before a burst does not run dry after one frame. The pipeline's own audio (one frame,
-        decoded at the request's end) is dropped."""
+        another unit has no frame read yet (its prompt waits for the talker's prefill, which lengthens the
+        next step for every request, or its frame of the same step is not read yet), the unit's first chunk
+        waits for its second frame and takes both, so that a unit started just before a burst does not run
+        dry after one frame; the units of one burst then mostly start with two frames, one step later. The
+        pipeline's own audio (one frame, decoded at the request's end) is dropped."""
         ticket, arrivals = router.claim()
         prompt["additional_information"][FRAMES_KEY] = [ticket]
         sampling = self._sampling_params(request, params)
@@ -563,7 +564,7 @@ class OmniEngine:
                 if reference is not None:
                     streamer.context(reference)
                 now = time.perf_counter()
-                # other units' prompts waiting for the talker's prefill: its next step is a long one
+                # another unit with no frame read yet: the talker's next step may prefill its prompt
                 for window in streamer.push(frames, final=ended, now=now, backlog_s=batcher.backlog_s(now),
                                             hold_first=router.unstarted > 0):
                     yield window

@@ -133,8 +133,9 @@ class FrameRouter(asyncio.DatagramProtocol):
 
     @property
     def unstarted(self) -> int:
-        """Claimed tickets whose request has sent no frame yet (nor its end): prompts waiting for the
-        talker's prefill, which makes the talker's next step longer for every running request."""
+        """Claimed tickets with no frame (nor the end) read yet: prompts waiting for the talker's prefill,
+        which makes the talker's next step longer for every running request, or whose first frame of the
+        latest step is still in the socket."""
         return len(self._unstarted)
 
     @property
