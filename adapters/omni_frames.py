@@ -103,7 +103,7 @@ class FrameRouter(asyncio.DatagramProtocol):
         self.references: dict[int, Frame] = {}
         self._queues: dict[int, asyncio.Queue[tuple[int, Frame | None]]] = {}
         self._unstarted: set[int] = set()
-        """Claimed tickets no frame (nor the end) has arrived for yet: prompts the talker has not prefilled."""
+        """Claimed tickets with no frame (nor the end) read yet (`unstarted`)."""
         self._tickets = itertools.count(1)
         self._transport: asyncio.DatagramTransport | None = None
 
