@@ -136,6 +136,9 @@ class Provenance:
     HEAD`, `+dirty` when tracked files have changes, else `unknown`."""
     ended: str = ""
     load_after: tuple[float, float, float] | None = None
+    gpu: str = ""
+    """The GPUs (`gpu_names` of `nvidia-smi`'s list), "" where there is none: a device call asking for one
+    kind of GPU may run on another (an H100 for an H200), and the results must say which."""
 
     @classmethod
     def begin(cls) -> Provenance:
@@ -144,7 +147,8 @@ class Provenance:
                 cpu = cpu_model(f.read())
         except OSError:
             cpu = "unknown CPU"
-        return cls(_utc_now(), socket.gethostname(), cpu, os.cpu_count() or 0, os.getloadavg(), git_commit())
+        return cls(_utc_now(), socket.gethostname(), cpu, os.cpu_count() or 0, os.getloadavg(), git_commit(),
+                   gpu=gpu_names(_nvidia_smi_names()))
 
     def end(self) -> Provenance:
         return dataclasses.replace(self, ended=_utc_now(), load_after=os.getloadavg())
@@ -159,10 +163,29 @@ class Provenance:
         load = " ".join(f"{v:.2f}" for v in self.load_before)
         if self.load_after is not None:
             load += " -> " + " ".join(f"{v:.2f}" for v in self.load_after)
-        return f"{when} UTC, {self.host} ({self.cpu}, {self.cores} cores), load {load}, commit {self.commit}"
+        gpu = f"; {self.gpu}" if self.gpu else ""
+        return f"{when} UTC, {self.host} ({self.cpu}, {self.cores} cores{gpu}), load {load}, commit {self.commit}"
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+
+
+def gpu_names(listing: str) -> str:
+    """The GPUs in `nvidia-smi --query-gpu=name --format=csv,noheader` output (one name a line), as
+    "NVIDIA H200" or, for several alike, "2 x NVIDIA H100 80GB HBM3" (kinds joined by " + "); "" for none."""
+    names = [line.strip() for line in listing.splitlines() if line.strip()]
+    kinds = dict.fromkeys(names)
+    return " + ".join(name if names.count(name) == 1 else f"{names.count(name)} x {name}" for name in kinds)
+
+
+def _nvidia_smi_names() -> str:
+    """`nvidia-smi`'s list of GPU names, "" where it is missing or fails."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout
 
 
 def cpu_model(cpuinfo: str) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from bench.overhead import Trial, latency_figures, trial_rows, verdict
 from bench.ttfa import ModeResult, summary_rows
-from bench.workload import Provenance, cpu_model, git_commit, held_every_round, spread, spreads
+from bench.workload import Provenance, cpu_model, git_commit, gpu_names, held_every_round, spread, spreads
 
 
 def test_a_figure_over_rounds_is_its_median_with_min_and_max_leaving_out_rounds_without_it() -> None:
@@ -41,6 +41,23 @@ def test_the_header_names_the_time_span_the_machine_its_load_and_the_commit() ->
                            "load 0.50 0.40 0.30 -> 1.00 0.90 0.80, commit abc1234+dirty")
     overnight = dataclasses.replace(done, ended="2026-12-06T00:02:00Z")
     assert overnight.line().startswith("2026-12-05 10:31:07-2026-12-06 00:02:00 UTC")
+    on_gpu = dataclasses.replace(p, gpu="NVIDIA H100 80GB HBM3")
+    assert "box (AMD EPYC 9654, 2 cores; NVIDIA H100 80GB HBM3), load" in on_gpu.line()
+
+
+def test_the_gpus_are_named_as_nvidia_smi_lists_them() -> None:
+    assert gpu_names("NVIDIA H200\n") == "NVIDIA H200"
+    assert gpu_names("NVIDIA H100 80GB HBM3\nNVIDIA H100 80GB HBM3\n") == "2 x NVIDIA H100 80GB HBM3"
+    assert gpu_names("NVIDIA H200\nNVIDIA H100 80GB HBM3\n\n") == "NVIDIA H200 + NVIDIA H100 80GB HBM3"
+    assert gpu_names("") == ""
+
+
+def test_results_written_before_the_gpu_was_recorded_still_read() -> None:
+    """`omni_duel --report` rebuilds the header from a results file's `provenance`; older files have no `gpu`."""
+    old = {"started": "2026-12-05T10:31:07Z", "host": "box", "cpu": "Xeon", "cores": 16,
+           "load_before": [0.5, 0.4, 0.3], "commit": "abc1234", "ended": "", "load_after": None}
+    assert Provenance(**old).line() == ("2026-12-05 10:31:07 UTC, box (Xeon, 16 cores), load 0.50 0.40 0.30, "
+                                        "commit abc1234")
 
 
 def test_a_finished_provenance_reads_the_load_again_and_goes_into_json() -> None:
