@@ -547,8 +547,9 @@ class OmniEngine:
         prompt["additional_information"][FRAMES_KEY] = [ticket]
         sampling = self._sampling_params(request, params)
         rate = self.model.sample_rate
-        initial = request.initial_codec_chunk_frames or QWEN3_POLICY.initial_frames
-        streamer = ChunkStreamer(self._chunks, min(initial, QWEN3_POLICY.steady_frames), layout=QWEN3_LAYOUT,
+        chunks = self._chunks
+        initial = request.initial_codec_chunk_frames or chunks.initial_frames
+        streamer = ChunkStreamer(chunks, min(initial, chunks.steady_frames), layout=QWEN3_LAYOUT,
                                  window_lengths=batcher.codec.graph_lengths)
         first = TokenCounts(text_tokens, omni_compat.qwen3_tts_reference_tokens(params))
 

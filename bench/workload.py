@@ -10,6 +10,7 @@ settings, so a bench knows exactly which delta completes the first unit without 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -173,9 +174,8 @@ class Provenance:
 def gpu_names(listing: str) -> str:
     """The GPUs in `nvidia-smi --query-gpu=name --format=csv,noheader` output (one name a line), as
     "NVIDIA H200" or, for several alike, "2 x NVIDIA H100 80GB HBM3" (kinds joined by " + "); "" for none."""
-    names = [line.strip() for line in listing.splitlines() if line.strip()]
-    kinds = dict.fromkeys(names)
-    return " + ".join(name if names.count(name) == 1 else f"{names.count(name)} x {name}" for name in kinds)
+    counts = collections.Counter(line.strip() for line in listing.splitlines() if line.strip())
+    return " + ".join(name if n == 1 else f"{n} x {name}" for name, n in counts.items())
 
 
 def _nvidia_smi_names() -> str:
