@@ -31,8 +31,9 @@ once, on each server in turn:
 Stalls are counted as a player that starts at the first audio byte hears them (`workload.play`); audio
 seconds per wall second are all streams' audio over the time from the first send to the last byte. Rounds
 go round 1 at every level, then round 2 at every level, and so on (a budget cut leaves every level with
-some rounds). A warm-up round precedes each level's first round on each server (every mode at the first
-level, so each path is warm; the first mode after that, so every batch shape is).
+some rounds); at 1 session `--single-rounds` (default 5) rounds are measured, the extra ones last. A
+warm-up round precedes each level's first round on each server (every mode at the first level, so each
+path is warm; the first mode after that, so every batch shape is).
 
 Report: per mode, concurrency and server, median [min-max] over rounds of TTFA p50 and p95, streams with a
 stall and total stall seconds (every round listed), audio seconds per wall second and audio seconds per
@@ -544,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=("tiny", "1.7b"), default="tiny")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per level, mode and server")
+    parser.add_argument("--single-rounds", type=int, default=5,
+                        help="measured rounds at 1 session (single-session latency wants 5), never fewer than --rounds")
     parser.add_argument("--frames", type=int, default=150, help="codec frames per request (80 ms each), forced")
     parser.add_argument("--servers", default=",".join(SERVERS), help="which servers, comma-separated")
     parser.add_argument("--modes", default=",".join(MODES))
@@ -659,14 +662,18 @@ def start(started: dict[str, Server], timeout: float, results: dict[str, Any]) -
 def duel(clients: ProcessPoolExecutor, running: dict[str, Server], levels: list[int], modes: list[str],
          args: argparse.Namespace, rate: int, results: dict[str, Any], began: float) -> None:
     """Round 1 at every level, then round 2 at every level, and so on, so a budget cut leaves every level
-    measured; a level's first visit starts with its warm-up. Within a round: each mode, the servers in turn."""
+    measured; the 1-session level's extra rounds (`--single-rounds`) come last, after every level's
+    `--rounds`. A level's first visit starts with its warm-up. Within a round: each mode, the servers in turn."""
     by_conc = {level["concurrency"]: level for level in results["levels"]}
 
     def wire(server: Server, mode: str) -> dict[str, Any]:
         return {**server.fields, "split_granularity": args.split_granularity} if mode == "ws" else server.fields
 
-    for round_ in range(args.rounds):
+    most = max(args.rounds, args.single_rounds)
+    for round_ in range(most):
         for number, conc in enumerate(levels):
+            if round_ >= (most if conc == 1 else args.rounds):
+                continue
             if args.budget_s is not None and time.perf_counter() - began > args.budget_s:
                 print(f"budget spent: stopped before round {round_ + 1} at concurrency {conc}", flush=True)
                 return
@@ -677,7 +684,7 @@ def duel(clients: ProcessPoolExecutor, running: dict[str, Server], levels: list[
                 for mode in modes if number == 0 else modes[:1]:
                     for server in running.values():
                         clients.submit(run_clients, mode, server.url(mode), conc, wire(server, mode), TEXT, 0).result()
-            seed0 = 1000 * (args.rounds * number + round_ + 1)
+            seed0 = 1000 * (most * number + round_ + 1)
             for mode in modes:
                 for name, server in running.items():
                     before = codec_figures(server)
