@@ -20,10 +20,13 @@ reported; a shared machine's spare CPU drifts, so each trial also shows its own)
 (event loop vs the rest), its run-queue wait (time its threads were runnable but had no core) and the
 client's own loop lag are reported, so a failed trial can be blamed on the right party.
 
-Rounds (`--rounds`, default 3): the search (or `--sessions N,...`) is round 1; each later round runs one
-trial at every N that round 1 ran. An N counts as passed only with zero underruns in every round, as every
-smaller N tried had; the report gives underruns per round and the other figures as median [min-max] over
-rounds, under a line naming the date, the machine and the commit.
+Rounds (`--rounds`, default 3): the search (or `--sessions N,...`, or `--fractions F,...`: N = each fraction
+of the engine-only ceiling measured once before round 1, to test a target such as 0.80 of it directly) is
+round 1; each later round runs one trial at every N that round 1 ran. An N counts as passed only with zero
+underruns in every round, as every smaller N tried had; the report gives underruns per round and the other
+figures as median [min-max] over rounds, under a line naming the date, the machine and the commit.
+`--budget-s` starts no trial past that many seconds (a device call's deadline); an N that missed a round
+does not count as passed.
 
 Run from the repository root: `python -m bench.capacity` (see `--help`; docs/benchmarks.md has results).
 """
@@ -554,13 +557,29 @@ async def search(args: argparse.Namespace) -> SearchResult:
                   flush=True)
         return result
 
+    started = time.monotonic()
+
+    def out_of_time() -> bool:
+        over = args.budget_s is not None and time.monotonic() - started > args.budget_s
+        if over:
+            print(f"budget of {args.budget_s:.0f} s spent: no more trials", flush=True)
+        return over
+
     try:
         await server.wait_ready()
         print(f"server pid {server.proc.pid} on port {server.port} (attach a profiler here)", flush=True)
-        for n in args.sessions:
+        sessions = list(args.sessions)
+        if args.fractions:
+            first = (await ceiling.measure(args.ceiling_s))["aggregate_rtf"]
+            sessions = sorted({max(1, round(f * first)) for f in args.fractions})
+            print(f"engine-only ceiling before round 1: {first:.1f} real-time streams; fractions "
+                  f"{', '.join(f'{f:.2f}' for f in args.fractions)} -> N = {', '.join(map(str, sessions))}", flush=True)
+        for n in sessions:
+            if out_of_time():
+                break
             await run(n, 0)
         lo, hi, n = 0, None, args.start
-        while not args.sessions and len(trials) < args.max_trials:
+        while not sessions and len(trials) < args.max_trials and not out_of_time():
             if (await run(n, 0)).passed:
                 lo = n
             else:
@@ -572,7 +591,9 @@ async def search(args: argparse.Namespace) -> SearchResult:
             else:
                 n = (lo + hi) // 2
         for round_ in range(1, args.rounds):
-            for n in sorted({t.sessions for t in trials}):
+            for n in sorted({t.sessions for t in trials if t.round == 0}):
+                if out_of_time():
+                    break
                 await run(n, round_)
     finally:
         server.stop()
@@ -587,6 +608,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the server's --engine-isolation (its default is process)")
     parser.add_argument("--sessions", type=lambda s: [int(x) for x in s.split(",")], default=[],
                         help="run one trial at each of these N (comma-separated) per round instead of searching")
+    parser.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=[],
+                        help="instead of --sessions: N = each of these fractions (comma-separated) of the engine-only "
+                             "ceiling measured once before round 1, e.g. 0.75,0.8,0.85")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no trial after this many seconds from the server's start; what ran is reported")
     parser.add_argument("--rounds", type=int, default=3,
                         help="round 1 searches (or runs --sessions), later rounds rerun every N it ran")
     parser.add_argument("--start", type=int, default=16, help="first N; doubled until a trial fails")

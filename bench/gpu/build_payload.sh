@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the GPU benches' payload (bench/gpu/README.md) into .vllmpay/ (git-ignored). Run on a CPU machine
 # with PyPI, from anywhere in the checkout; about 3-5 minutes on 2 cores (most of it xz).
-#   usage: bench/gpu/build_payload.sh [OUTDIR=.vllmpay] [PART...]    PARTs: vllm omni serve vw (default: all)
+#   usage: bench/gpu/build_payload.sh [OUTDIR=.vllmpay] [PART...]    PARTs: vllm omni serve vw cpu (default: all)
 #   env:   WHEELS=DIR  wheel download cache (default ~/.cache/voicewire-gpu-wheels; kept between builds)
 #          XZ_THREADS=N  (default 2)
 # Output (each tarball unpacks into one site folder, put first on PYTHONPATH; extract vllm026 first):
@@ -14,6 +14,8 @@
 #   vw_extra.tar.xz     what voicewire itself needs beyond the device image: soxr, soundfile (+ cffi,
 #                       pycparser), snac (the talker's codec), websockets (the bench clients) and the PyAV
 #                       stand-in from bench/gpu/av_standin (PyAV with FFmpeg is too large to carry)
+#   cpu_extra.tar.xz    what the CPU capacity bench (capacity.sh) needs beyond vw_extra: hibari-tts (weights
+#                       inside) and msgspec (the vllm part carries the same pin; capacity.sh carries no vllm)
 # The device (nvidia-h200): Python 3.12.3, torch 2.11.0+cu130, transformers 5.17, aiohttp, numpy, scipy,
 # pyyaml, prometheus-client, uvloop, onnx, onnxruntime, safetensors, tokenizers, einops, httpx, ... and no
 # network (/work/.library/device/KINDS.md has the list). Everything is cp312 manylinux x86_64 wheels.
@@ -23,7 +25,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 OUT=${1:-$ROOT/.vllmpay}; shift || true
-PARTS=${*:-vllm omni serve vw}
+PARTS=${*:-vllm omni serve vw cpu}
 WHEELS=${WHEELS:-$HOME/.cache/voicewire-gpu-wheels}
 XZ_THREADS=${XZ_THREADS:-2}
 mkdir -p "$OUT" "$WHEELS"; OUT=$(cd "$OUT" && pwd)
@@ -79,6 +81,7 @@ SERVE=(uvicorn==0.55.0 python-multipart==0.0.34 watchfiles==1.3.0 prometheus-fas
        pydantic-settings==2.16.3 python-dotenv==1.2.4 mistral_common==1.13.1 ijson==3.6.0
        jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
        pydantic-extra-types==2.11.1 pycountry==26.2.16)
+CPU=(hibari-tts==0.2.1 msgspec==0.23.0)
 VW=(soxr==1.0.0 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12 snac==1.2.1 websockets==17.4)
 
 for part in $PARTS; do
@@ -112,7 +115,11 @@ for part in $PARTS; do
     pip_target "$W/vw" $ws
     cp -r "$HERE/av_standin/av" "$W/vw/av"
     pack "$W/vw" vw_extra ;;
-  *) echo "unknown part $part (vllm omni serve vw)" >&2; exit 2 ;;
+  cpu)
+    dl cpu "${CPU[@]}"; ws=$(wheels_of cpu "${CPU[@]}")
+    pip_target "$W/cpu" $ws
+    pack "$W/cpu" cpu_extra ;;
+  *) echo "unknown part $part (vllm omni serve vw cpu)" >&2; exit 2 ;;
   esac
 done
 
@@ -123,7 +130,7 @@ tracked=$(git ls-files -z -co --exclude-standard | xargs -0 du -cb 2>/dev/null |
 size() { local t=0 f; for f in "$@"; do [ -e "$OUT/$f" ] && t=$((t + $(du -cb "$OUT/$f" | tail -1 | cut -f1))); done; echo $t; }
 limit=$((64 * 1024 * 1024))
 for bench in "omni_duel: vllm026.tar.xz omni026.tar.xz serve_extra.tar.xz vw_extra.tar.xz" \
-             "talker: vllm026.tar.xz vw_extra.tar.xz"; do
+             "talker: vllm026.tar.xz vw_extra.tar.xz" "capacity: vw_extra.tar.xz cpu_extra.tar.xz"; do
   name=${bench%%:*}; read -r -a files <<< "${bench#*:}"
   total=$(( $(size "${files[@]}") + tracked ))
   printf '%-10s %s + tracked tree %s = %s bytes (%s MiB of 64)%s\n' "$name" "$(size "${files[@]}")" "$tracked" \
