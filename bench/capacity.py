@@ -608,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the server's --engine-isolation (its default is process)")
     parser.add_argument("--sessions", type=lambda s: [int(x) for x in s.split(",")], default=[],
                         help="run one trial at each of these N (comma-separated) per round instead of searching")
-    parser.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=[],
+    parser.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
                         help="instead of --sessions: N = each of these fractions (comma-separated) of the engine-only "
                              "ceiling measured once before round 1, e.g. 0.75,0.8,0.85")
     parser.add_argument("--budget-s", type=float, default=None,
