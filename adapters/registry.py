@@ -45,20 +45,24 @@ CLONING_ENGINES: Final = tuple(dict.fromkeys(kind.engine for kind in ENGINE_KIND
 """Engines that can speak an uploaded voice sample (omni, with a cloning checkpoint)."""
 
 
-def create_engine(name: str, *, workers: int = 1, isolation: Isolation = "thread",
+def create_engine(name: str, *, workers: int = 1, isolation: Isolation = "thread", processes: int | None = None,
                   talker: TalkerConfig | None = None, omni: OmniConfig | None = None) -> Engine:
     """Build (not start) the named engine. Raises ValueError for an unknown name, or for `talker`
     without its `TalkerConfig` (model folders), or `omni` without its `OmniConfig`.
 
-    `isolation="process"` runs a CPU engine (hibari) in `workers` child processes, so a crashed worker
-    costs only its own units (`adapters/workers.py`); `"thread"` runs it in this process on `workers`
-    threads. Other engines ignore it.
+    `isolation="process"` runs a CPU engine (hibari) in child processes, so a crashed worker costs only
+    its own units (`adapters/workers.py`): `processes` of them (default `workers`), each with `workers //
+    processes` threads; ValueError unless `processes` divides `workers`. `"thread"` runs it in this process
+    on `workers` threads. Other engines ignore both.
     """
     if name == "hibari":
         if isolation == "process":
             from voicewire.adapters.workers import ProcessEngine
 
-            return ProcessEngine("hibari", workers=workers)
+            processes = workers if processes is None else processes
+            if processes < 1 or workers % processes:
+                raise ValueError(f"engine processes: {processes} does not divide {workers} engine workers evenly")
+            return ProcessEngine("hibari", workers=processes, threads=workers // processes)
         from voicewire.adapters.hibari import HibariEngine
 
         return HibariEngine(workers=workers)

@@ -1,10 +1,11 @@
 """Process isolation for CPU engines: each worker is a child process running its own engine.
 
 `ProcessEngine` implements the engine interface by dispatching every request to one of `workers` child
-processes (spawned, never forked), each running its own engine (by default `create_engine(name, workers=1)`)
-on its own event loop. Requests go down a pipe, audio pieces stream back as they are computed; every message
-on the pipe is one of the typed structs below (`ToWorker`, `FromWorker`) in MessagePack (msgspec: a tenth of
-pickle's CPU on each side), but for a `Piece`'s samples, which follow it raw. On each side one thread reads
+processes (spawned, never forked), each running its own engine (by default `create_engine(name,
+workers=threads)`, one thread) on its own event loop. Requests go down a pipe, audio pieces stream back as
+they are computed; every message on the pipe is one of the typed structs below (`ToWorker`, `FromWorker`) in
+MessagePack (msgspec: a tenth of pickle's CPU on each side), but for a `Piece`'s samples, which follow it
+raw. On each side one thread reads
 the pipe, decodes and hands each message to the event loop (`call_soon_threadsafe`): no executor hop per
 message.
 
@@ -307,27 +308,28 @@ class _Slot:
     failures: int = 0
 
 
-def _named_engine(name: str) -> Engine:
+def _named_engine(name: str, threads: int = 1) -> Engine:
     from voicewire.adapters.registry import create_engine
 
-    return create_engine(name, workers=1)
+    return create_engine(name, workers=threads)
 
 
 class ProcessEngine:
     """The engine `engine_name` in `workers` child processes (see the module docstring).
 
     `build` makes each worker's engine inside the child (it must pickle: a module-level function or a
-    `functools.partial` of one); it defaults to the registry's `engine_name` with one thread.
+    `functools.partial` of one); it defaults to the registry's `engine_name` with `threads` threads, so one
+    worker computes up to `threads` requests at once (its engine's `max_concurrency`).
     """
 
-    def __init__(self, engine_name: str, *, workers: int = 1, build: Callable[[], Engine] | None = None,
-                 timings: WorkerTimings | None = None) -> None:
-        if workers < 1:
-            raise ValueError("workers must be >= 1")
+    def __init__(self, engine_name: str, *, workers: int = 1, threads: int = 1,
+                 build: Callable[[], Engine] | None = None, timings: WorkerTimings | None = None) -> None:
+        if workers < 1 or threads < 1:
+            raise ValueError("workers and threads must be >= 1")
         self.engine_name = engine_name
         self.workers = workers
         self.timings = timings or WorkerTimings()
-        self._build: Callable[[], Engine] = build or functools.partial(_named_engine, engine_name)
+        self._build: Callable[[], Engine] = build or functools.partial(_named_engine, engine_name, threads)
         self._slots = [_Slot(i) for i in range(workers)]
         self._supervisors: list[asyncio.Task[None]] = []
         self._watchdog: asyncio.Task[None] | None = None

@@ -342,9 +342,12 @@ def _playback(frames: list[tuple[float, int, int]]) -> tuple[list[int], list[tup
 class CapacityServer(ServerProcess):
     """The server under test, with the CPU accounting the capacity figures need."""
 
-    def __init__(self, workers: int, isolation: str, cpus: set[int] | None = None) -> None:
-        super().__init__("hibari", extra=("--engine-workers", str(workers), "--engine-isolation", isolation),
-                         cpus=cpus)
+    def __init__(self, workers: int, isolation: str, cpus: set[int] | None = None,
+                 processes: int | None = None) -> None:
+        extra = ["--engine-workers", str(workers), "--engine-isolation", isolation]
+        if processes is not None:
+            extra += ["--engine-processes", str(processes)]
+        super().__init__("hibari", extra=extra, cpus=cpus)
 
     def cpu_seconds(self) -> tuple[float, float, float]:
         """(event-loop thread CPU, CPU of all other threads and of the engine's child processes, run-queue
@@ -533,7 +536,7 @@ async def search(args: argparse.Namespace) -> SearchResult:
         pin_threads(client_cpus)
     ceiling = Ceiling(args.engine_workers, args.seed, server_cpus, client_cpus)
     await ceiling.engine.start()
-    server = CapacityServer(args.engine_workers, args.engine_isolation, server_cpus)
+    server = CapacityServer(args.engine_workers, args.engine_isolation, server_cpus, args.engine_processes)
     trials: list[Trial] = []
 
     async def run(n: int, round_: int) -> Trial:
@@ -606,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-workers", type=int, default=2)
     parser.add_argument("--engine-isolation", choices=("process", "thread"), default="process",
                         help="the server's --engine-isolation (its default is process)")
+    parser.add_argument("--engine-processes", type=int, default=None, metavar="P",
+                        help="the server's --engine-processes (default: one process per worker)")
     parser.add_argument("--sessions", type=lambda s: [int(x) for x in s.split(",")], default=[],
                         help="run one trial at each of these N (comma-separated) per round instead of searching")
     parser.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",") if x], default=[],

@@ -86,7 +86,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     """Build the app. `engine` defaults to the one named by `settings.engine` (not started yet)."""
     settings = settings or Settings()
     engine = engine or create_engine(settings.engine, workers=settings.engine_workers,
-                                     isolation=settings.engine_isolation)
+                                     isolation=settings.engine_isolation, processes=settings.engine_processes)
     access = AccessControl(settings)
     voices_dir = settings.voices_dir or default_voices_dir()
     if settings.import_vllm_omni_voices is not None:

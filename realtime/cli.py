@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine requests computed at once (hibari: threads, about one core each)")
     serve.add_argument("--engine-isolation", choices=("process", "thread"), default=defaults.engine_isolation,
                        help="hibari in child processes (a crashed worker is restarted) or in threads")
+    serve.add_argument("--engine-processes", type=int, default=defaults.engine_processes, metavar="P",
+                       help="with process isolation: spread the --engine-workers threads over P child processes "
+                       "(default: one each); fewer share one copy of the model and use less CPU, but a crash "
+                       "fails every unit of its process")
     serve.add_argument("--max-sessions", type=int, default=defaults.max_sessions,
                        help="WebSocket sessions at once; one more is closed with code 1013 (default %(default)s)")
     serve.add_argument("--admission-utilization", type=float, default=defaults.admission_utilization,
@@ -198,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     import_voices = args.import_vllm_omni_voices or (Path(env_import) if env_import else None)
     try:
         settings = Settings(host=args.host, port=args.port, engine=args.engine, engine_workers=args.engine_workers,
-                            engine_isolation=args.engine_isolation, max_sessions=args.max_sessions,
+                            engine_isolation=args.engine_isolation, engine_processes=args.engine_processes,
+                            max_sessions=args.max_sessions,
                             admission_utilization=args.admission_utilization,
                             api_keys=(*args.api_key, *env_keys), voices_dir=args.voices_dir,
                             api_keys_file=args.api_keys_file, allow_unauthenticated=args.no_auth,

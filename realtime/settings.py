@@ -25,6 +25,11 @@ class Settings:
     """Engine requests computed at once (hibari: worker processes or threads, one core each)."""
     engine_isolation: Literal["process", "thread"] = "process"
     """hibari in child processes (a crashed worker is restarted, only its units fail) or in threads."""
+    engine_processes: int | None = None
+    """With process isolation: the child processes the `engine_workers` threads are spread over, evenly
+    (None: one process per worker). Fewer processes share one copy of the model and cost less CPU per
+    second of audio (docs/benchmarks.md, "Realtime capacity"); a crash then fails the units of every thread
+    of its process."""
 
     max_sessions: int = 64
     """WebSocket sessions at once; one more is refused with close code 1013."""

@@ -92,9 +92,10 @@ def _burn(seconds: float) -> None:
         pass
 
 
-def fault_injecting_hibari(refuse_start_while: str | None = None) -> Engine:
-    """A `FaultInjectingEngine` around a one-thread hibari, for `ProcessEngine(build=functools.partial(...))`."""
-    return FaultInjectingEngine(HibariEngine(),
+def fault_injecting_hibari(refuse_start_while: str | None = None, threads: int = 1) -> Engine:
+    """A `FaultInjectingEngine` around a hibari of `threads` threads, for
+    `ProcessEngine(build=functools.partial(...))`."""
+    return FaultInjectingEngine(HibariEngine(workers=threads),
                                 refuse_start_while=None if refuse_start_while is None else Path(refuse_start_while))
 
 
