@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hibari in child processes (a crashed worker is restarted) or in threads")
     serve.add_argument("--engine-processes", type=int, default=defaults.engine_processes, metavar="P",
                        help="with process isolation: spread the --engine-workers threads over P child processes "
-                       "(default: one each); fewer share one copy of the model and use less CPU, but a crash "
-                       "fails every unit of its process")
+                       "(default: one each); fewer load fewer copies of the engine (memory), but a crash fails "
+                       "every unit of its process")
     serve.add_argument("--max-sessions", type=int, default=defaults.max_sessions,
                        help="WebSocket sessions at once; one more is closed with code 1013 (default %(default)s)")
     serve.add_argument("--admission-utilization", type=float, default=defaults.admission_utilization,
