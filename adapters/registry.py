@@ -53,7 +53,7 @@ def create_engine(name: str, *, workers: int = 1, isolation: Isolation = "thread
     `isolation="process"` runs a CPU engine (hibari) in child processes, so a crashed worker costs only
     its own units (`adapters/workers.py`): `processes` of them (default `workers`), each with `workers //
     processes` threads; ValueError unless `processes` divides `workers`. `"thread"` runs it in this process
-    on `workers` threads. Other engines ignore both.
+    on `workers` threads (ValueError with `processes`). Other engines ignore both.
     """
     if name == "hibari":
         if isolation == "process":
@@ -63,6 +63,8 @@ def create_engine(name: str, *, workers: int = 1, isolation: Isolation = "thread
             if processes < 1 or workers % processes:
                 raise ValueError(f"engine processes: {processes} does not divide {workers} engine workers evenly")
             return ProcessEngine("hibari", workers=processes, threads=workers // processes)
+        if processes is not None:
+            raise ValueError("engine processes: hibari runs in child processes only with engine isolation 'process'")
         from voicewire.adapters.hibari import HibariEngine
 
         return HibariEngine(workers=workers)

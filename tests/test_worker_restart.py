@@ -125,3 +125,10 @@ def test_engine_processes_that_do_not_divide_the_workers_are_refused_before_anyt
 
     assert main(["serve", "--no-auth", "--engine-workers", str(workers), "--engine-processes", str(processes)]) == 2
     assert f"engine processes: {processes} does not divide {workers} engine workers evenly" in capsys.readouterr().err
+
+
+def test_engine_processes_without_process_isolation_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from voicewire.realtime.cli import main
+
+    assert main(["serve", "--no-auth", "--engine-isolation", "thread", "--engine-processes", "1"]) == 2
+    assert "only with engine isolation 'process'" in capsys.readouterr().err
