@@ -5,9 +5,8 @@ processes (spawned, never forked), each running its own engine (by default `crea
 workers=threads)`, one thread) on its own event loop. Requests go down a pipe, audio pieces stream back as
 they are computed; every message on the pipe is one of the typed structs below (`ToWorker`, `FromWorker`) in
 MessagePack (msgspec: a tenth of pickle's CPU on each side), but for a `Piece`'s samples, which follow it
-raw. On each side one thread reads
-the pipe, decodes and hands each message to the event loop (`call_soon_threadsafe`): no executor hop per
-message.
+raw. On each side one thread reads the pipe, decodes and hands each message to the event loop
+(`call_soon_threadsafe`): no executor hop per message.
 
 Why processes: an engine crash (a native fault, the OOM killer, `kill -9`) takes one worker down, not
 the server. When a worker dies, only the requests it was computing fail (with `EngineWorkerDied`); requests
