@@ -561,12 +561,15 @@ async def search(args: argparse.Namespace) -> SearchResult:
         return result
 
     started = time.monotonic()
+    spent = False
 
     def out_of_time() -> bool:
-        over = args.budget_s is not None and time.monotonic() - started > args.budget_s
-        if over:
+        """Whether `--budget-s` has run out (said once, when it first has)."""
+        nonlocal spent
+        if not spent and args.budget_s is not None and time.monotonic() - started > args.budget_s:
+            spent = True
             print(f"budget of {args.budget_s:.0f} s spent: no more trials", flush=True)
-        return over
+        return spent
 
     try:
         await server.wait_ready()
