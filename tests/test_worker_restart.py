@@ -15,7 +15,7 @@ from voicewire.realtime.settings import Settings
 
 from tests.faults import fault_injecting_hibari
 from tests.server import ServerThread
-from tests.wsclient import configure, recv_until, send
+from tests.wsclient import configure, recv_until, send, utter
 
 STREAM = {"split_granularity": "sentence", "response_format": "pcm", "stream_audio": True}
 LONG = " ".join(f"Sentence {n} of a story long enough to keep an engine worker busy for a while." for n in range(30))
@@ -70,9 +70,7 @@ async def test_engine_processes_spread_the_workers_threads_over_fewer_children()
         async def speak(text: str) -> list[bool]:
             async with websockets.connect(srv.ws_url) as ws:
                 await configure(ws, **STREAM)
-                await send(ws, {"type": "input.text", "text": text})
-                await send(ws, {"type": "input.done"})
-                got = await recv_until(ws, "session.done")
+                got = await utter(ws, text)
             assert not got.of("error"), got.of("error")
             return [d["error"] for d in got.of("audio.done")]
 
@@ -110,9 +108,7 @@ async def test_a_worker_process_of_two_threads_that_dies_fails_both_threads_unit
         assert engine.worker_pids() != [pid]
         async with websockets.connect(srv.ws_url) as ws:
             await configure(ws, **STREAM)
-            await send(ws, {"type": "input.text", "text": "The replacement speaks."})
-            await send(ws, {"type": "input.done"})
-            got = await recv_until(ws, "session.done")
+            got = await utter(ws, "The replacement speaks.")
         assert not got.of("error") and [d["error"] for d in got.of("audio.done")] == [False]
     finally:
         srv.stop()
