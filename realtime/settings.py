@@ -27,9 +27,9 @@ class Settings:
     """hibari in child processes (a crashed worker is restarted, only its units fail) or in threads."""
     engine_processes: int | None = None
     """With process isolation: the child processes the `engine_workers` threads are spread over, evenly
-    (None: one process per worker). Fewer processes load fewer copies of the engine (about 250 MiB a process
-    against about 50 a further thread, docs/operations.md); a crash then fails the units of every thread of
-    its process."""
+    (None: one process per worker). Fewer processes load fewer copies of the engine (a thread in an existing
+    process takes about 200 MiB less than a process of its own, docs/operations.md); a crash then fails the
+    units of every thread of its process."""
 
     max_sessions: int = 64
     """WebSocket sessions at once; one more is refused with close code 1013."""
