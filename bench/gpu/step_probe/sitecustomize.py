@@ -26,11 +26,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-_PID = os.getpid()
-
 
 def _say(what: str, start: float, details: str = "") -> None:
-    print(f"VWPROBE {_PID} {what} {start:.6f} {(time.monotonic() - start) * 1000:.3f} {details}",
+    print(f"VWPROBE {os.getpid()} {what} {start:.6f} {(time.monotonic() - start) * 1000:.3f} {details}",
           file=sys.stderr, flush=True)
 
 
@@ -118,14 +116,14 @@ _PATCHES: dict[str, Callable[[ModuleType], None]] = {
 }
 
 
-_introduced = False
+_introduced: set[int] = set()
+"""The processes that said who their parent is (a forked child inherits this module, not its lines)."""
 
 
 def _introduce() -> None:
-    global _introduced
-    if not _introduced:
-        _introduced = True
-        print(f"VWPROBE {_PID} process 0 0 ppid={os.getppid()}", file=sys.stderr, flush=True)
+    if os.getpid() not in _introduced:
+        _introduced.add(os.getpid())
+        print(f"VWPROBE {os.getpid()} process 0 0 ppid={os.getppid()}", file=sys.stderr, flush=True)
 
 
 class _Loader(importlib.abc.Loader):
@@ -142,7 +140,7 @@ class _Loader(importlib.abc.Loader):
         try:
             self.patch(module)
         except Exception as exc:
-            print(f"VWPROBE {_PID} patch_failed 0 0 {module.__name__}: {exc!r}", file=sys.stderr, flush=True)
+            print(f"VWPROBE {os.getpid()} patch_failed 0 0 {module.__name__}: {exc!r}", file=sys.stderr, flush=True)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
