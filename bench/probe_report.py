@@ -5,7 +5,8 @@ on the GPU machine; on the CPU: `VW_PROBE=1 PYTHONPATH=bench/gpu/step_probe pyth
 `grep VWPROBE <out>/voicewire.log`). Each line: `VWPROBE pid what start_s ms details`.
 
 A burst is a run of requests reaching the talker's engine core less than `--gap-ms` apart. For each burst the
-report gives the spread of the arrivals and the talker's first steps after the first arrival: when each step
+report gives the spread of the arrivals, when the server's engine calls for them came (ms from the first
+arrival, negative before it), and the talker's first steps after the first arrival: when each step
 starts (ms after the first arrival), its `execute_model` time, its `_preprocess` time and, inside that, the
 prefilling requests it built (`prefill_preprocess`: how many, ms in all), the code predictor's batch and time,
 `sample_tokens` time. Then, per burst size, the median over bursts of: the time until the last of the burst's
@@ -131,7 +132,11 @@ def report(events: list[Event], steps_shown: int, gap_ms: float) -> str:
         spread = (burst[-1].start - t0) * 1000
         later = [s for s in steps if s.execute.start >= t0][:steps_shown]
         built = [p for s in steps if s.execute.start >= t0 for p in s.prefills if p.details.get("id") in ids]
-        out.append(f"burst of {len(burst)} (arrivals over {spread:.1f} ms), prompts built {len(built)}")
+        calls = [e for e in events if e.what == "engine_call"
+                 and any(arrival.details.get("id", "").startswith(e.details.get("id", "?")) for arrival in burst)]
+        called = (f"; engine calls from {(calls[0].start - t0) * 1000:.1f} to {(calls[-1].start - t0) * 1000:.1f} ms"
+                  if calls else "")
+        out.append(f"burst of {len(burst)} (arrivals over {spread:.1f} ms{called}), prompts built {len(built)}")
         out.append("  step  at ms  execute  preprocess  prefills (ms)   mtp batch (ms)  sample")
         for index, step in enumerate(later):
             prefills = f"{len(step.prefills)} ({sum(p.ms for p in step.prefills):.1f})" if step.prefills else "-"

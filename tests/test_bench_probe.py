@@ -23,7 +23,8 @@ import vllm.v1.engine.core as core
 import vllm_omni.worker.gpu_model_runner as runner
 import vllm_omni.worker.gpu_ar_model_runner as ar
 import vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker as talker
-calls = [core.EngineCore.add_request, core.EngineCore.step, core.EngineCore.step_with_batch_queue,
+import voicewire.adapters.omni as omni
+calls = [omni.OmniEngine.synthesize, core.EngineCore.add_request, core.EngineCore.step, core.EngineCore.step_with_batch_queue,
          runner.OmniGPUModelRunner._preprocess, runner.OmniGPUModelRunner._maybe_run_batch_preprocess,
          runner.OmniGPUModelRunner._talker_mtp_forward, ar.GPUARModelRunner.execute_model,
          ar.GPUARModelRunner.sample_tokens, talker.Qwen3TTSTalkerForConditionalGeneration.preprocess]
@@ -42,10 +43,10 @@ def _imports(probe: bool) -> subprocess.CompletedProcess[str]:
 
 def test_the_probe_wraps_every_call_it_names_in_the_installed_vllm_omni_and_only_when_asked() -> None:
     probed = _imports(probe=True)
-    assert "wrapped 9 of 9" in probed.stdout, probed.stderr[-2000:]
+    assert "wrapped 10 of 10" in probed.stdout, probed.stderr[-2000:]
     assert "patch_failed" not in probed.stderr
     assert f"VWPROBE {_pid_of(probed.stderr)} process 0 0 ppid=" in probed.stderr
-    assert "wrapped 0 of 9" in _imports(probe=False).stdout
+    assert "wrapped 0 of 10" in _imports(probe=False).stdout
 
 
 def _pid_of(stderr: str) -> str:

@@ -10,7 +10,8 @@ server line up. Each process that imports a wrapped module first says who its pa
   `step_with_batch_queue` (steps taking 1 ms or more);
 - vllm-omni's model runner: `execute_model`, `sample_tokens`, `_preprocess` (with the step's requests,
   tokens and prefilling requests), `_maybe_run_batch_preprocess`, `_talker_mtp_forward` (its batch);
-- the Qwen3-TTS talker's `preprocess` for a prefilling request (one line per request).
+- the Qwen3-TTS talker's `preprocess` for a prefilling request (one line per request);
+- in voicewire's server, the `omni` engine's `synthesize` (the engine call of a unit: an instant, 0 ms).
 Measurement only: nothing here changes what the wrapped calls do or return.
 """
 
@@ -108,7 +109,12 @@ def _patch_talker(module: ModuleType) -> None:
     talker.preprocess = preprocess
 
 
+def _patch_engine(module: ModuleType) -> None:
+    _timed(module.OmniEngine, "synthesize", "engine_call", lambda _self, request: f"id={request.request_id}")
+
+
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "voicewire.adapters.omni": _patch_engine,
     "vllm.v1.engine.core": _patch_core,
     "vllm_omni.worker.gpu_model_runner": _patch_runner,
     "vllm_omni.worker.gpu_ar_model_runner": _patch_ar_runner,
