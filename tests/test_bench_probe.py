@@ -24,7 +24,8 @@ import vllm_omni.worker.gpu_model_runner as runner
 import vllm_omni.worker.gpu_ar_model_runner as ar
 import vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker as talker
 import voicewire.adapters.omni as omni
-calls = [omni.OmniEngine.synthesize, core.EngineCore.add_request, core.EngineCore.step, core.EngineCore.step_with_batch_queue,
+calls = [omni.OmniEngine.synthesize, core.EngineCore.add_request, core.EngineCore.step,
+         core.EngineCore.step_with_batch_queue,
          runner.OmniGPUModelRunner._preprocess, runner.OmniGPUModelRunner._maybe_run_batch_preprocess,
          runner.OmniGPUModelRunner._talker_mtp_forward, ar.GPUARModelRunner.execute_model,
          ar.GPUARModelRunner.sample_tokens, talker.Qwen3TTSTalkerForConditionalGeneration.preprocess]
