@@ -22,6 +22,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+CALL_WINDOW_S = 5.0
+"""How long before a burst's first arrival an engine call may be one of its requests' (a unit's id can recur)."""
+
 
 @dataclass(frozen=True)
 class Event:
@@ -132,7 +135,7 @@ def report(events: list[Event], steps_shown: int, gap_ms: float) -> str:
         spread = (burst[-1].start - t0) * 1000
         later = [s for s in steps if s.execute.start >= t0][:steps_shown]
         built = [p for s in steps if s.execute.start >= t0 for p in s.prefills if p.details.get("id") in ids]
-        calls = [e for e in events if e.what == "engine_call"
+        calls = [e for e in events if e.what == "engine_call" and t0 - CALL_WINDOW_S <= e.start <= burst[-1].start
                  and any(arrival.details.get("id", "").startswith(e.details.get("id", "?")) for arrival in burst)]
         called = (f"; engine calls from {(calls[0].start - t0) * 1000:.1f} to {(calls[-1].start - t0) * 1000:.1f} ms"
                   if calls else "")

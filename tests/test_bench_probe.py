@@ -1,7 +1,8 @@
 """The talker step probe (`bench/gpu/step_probe`) and its report (`bench.probe_report`): the probe wraps the
 calls it names in the vllm and vllm-omni this project installs (so a version that renames them fails here, not
 on a GPU machine), and the report reads a real probe trace (`tests/data/probe_burst16_cpu.txt`: a burst of 16
-sessions on the tiny CPU Qwen3-TTS through voicewire's server, captured with the probe) into its timeline."""
+sessions on the tiny CPU Qwen3-TTS through voicewire's server, captured with the probe, 2026-12-07) into its
+timeline."""
 
 from __future__ import annotations
 
@@ -55,18 +56,22 @@ def _pid_of(stderr: str) -> str:
     return line.split()[1]
 
 
-def test_the_report_finds_the_burst_its_prompts_and_the_talker_steps_after_it() -> None:
+def test_the_report_finds_the_bursts_their_engine_calls_prompts_and_the_talker_steps_after_them() -> None:
+    # the trace's 16 sessions: 15 requests reached the talker's core together, the 16th after the talker's
+    # next step, 127 ms after its engine call
     events = parse(TRACE.read_text().splitlines())
     groups = bursts(arrivals(events), gap_ms=50.0)
-    assert [len(group) for group in groups] == [16]
+    assert [len(group) for group in groups] == [15, 1]
     steps = talker_steps(events)
     built = {p.details["id"] for step in steps for p in step.prefills}
-    assert built == {event.details["id"] for event in groups[0]}
+    assert built == {event.details["id"] for group in groups for event in group}
     assert all(step.execute.ms > 0 for step in steps)
     text = report(events, steps_shown=3, gap_ms=50.0)
-    assert text.startswith("burst of 16 (arrivals over ")
-    assert "prompts built 16" in text
-    assert text.splitlines()[-1].split()[:2] == ["16", "1"]  # size 16, one burst, with its medians after
+    heads = [line for line in text.splitlines() if line.startswith("burst of ")]
+    assert heads[0].startswith("burst of 15 (arrivals over ") and heads[0].endswith("prompts built 15")
+    late = float(heads[1].split("engine calls from ")[1].split()[0])
+    assert late < -100.0  # its engine call came over 100 ms before it reached the talker
+    assert [line.split()[:2] for line in text.splitlines()[-2:]] == [["1", "1"], ["15", "1"]]
 
 
 def test_the_report_says_so_when_the_trace_has_no_process_lines() -> None:

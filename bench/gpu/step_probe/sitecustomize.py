@@ -12,7 +12,8 @@ server line up. Each process that imports a wrapped module first says who its pa
   tokens and prefilling requests), `_maybe_run_batch_preprocess`, `_talker_mtp_forward` (its batch);
 - the Qwen3-TTS talker's `preprocess` for a prefilling request (one line per request);
 - in voicewire's server, the `omni` engine's `synthesize` (the engine call of a unit: an instant, 0 ms).
-Measurement only: nothing here changes what the wrapped calls do or return.
+Measurement only: nothing here changes what the wrapped calls do or return. On the path it takes the place of
+any other `sitecustomize` (Debian's Python has one for apport), so use it for probe runs only.
 """
 
 from __future__ import annotations
