@@ -8,9 +8,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export VW_PROBE=1 PYTHONPATH="$PWD/bench/gpu/step_probe${PYTHONPATH:+:$PYTHONPATH}"
+probe_lines() { grep -ah "VWPROBE" "$OUT"/duel/voicewire.log 2>/dev/null | sed 's/.*VWPROBE/VWPROBE/' > "$OUT/probe.tmp" \
+  && mv "$OUT/probe.tmp" "$OUT/probe.txt"; }
+# every few seconds too, so that a call stopped at its limit still brings the lines back
+( while sleep 5; do probe_lines; done ) &
+copier=$!
 bash bench/gpu/omni_duel.sh --servers voicewire --modes ws --concurrency 1,16,64 "$@"
 rc=$?
-grep -ah "VWPROBE" "$OUT"/duel/voicewire.log | sed 's/.*VWPROBE/VWPROBE/' > "$OUT/probe.txt"
+kill "$copier" 2>/dev/null
+wait "$copier" 2>/dev/null
+probe_lines
 grep -v "VWPROBE" "$OUT/duel/voicewire.log" > "$OUT/duel/voicewire.log.tmp" && mv "$OUT/duel/voicewire.log.tmp" "$OUT/duel/voicewire.log"
 wc -l "$OUT/probe.txt"
 exit $rc
