@@ -68,10 +68,9 @@ def parse(lines: list[str]) -> list[Event]:
     return sorted(events, key=lambda e: e.start)
 
 
-def talker_steps(events: list[Event]) -> list[Step]:
-    """The steps of the worker that built prefilling prompts (the talker's), each with what ran in it: a call
-    belongs to the last `execute_model` started before it; `sample_tokens` to the one before it."""
-    worker = talker_worker(events)
+def talker_steps(events: list[Event], worker: int | None) -> list[Step]:
+    """The steps of `worker` (the talker's), each with what ran in it: a call belongs to the last
+    `execute_model` started before it."""
     steps: list[Step] = []
     for event in (e for e in events if e.pid == worker):
         if event.what == "execute_model":
@@ -98,10 +97,9 @@ def talker_worker(events: list[Event]) -> int | None:
     return max(counts, key=lambda pid: counts[pid]) if counts else None
 
 
-def arrivals(events: list[Event]) -> list[Event]:
-    """Requests reaching the talker's engine core (the talker worker's parent process; every stage's core
-    gets each request): `add_request` there."""
-    worker = talker_worker(events)
+def arrivals(events: list[Event], worker: int | None) -> list[Event]:
+    """Requests reaching the talker's engine core (the parent process of the talker's `worker`; every stage's
+    core gets each request): `add_request` there."""
     parents = {e.pid: e.details.get("ppid") for e in events if e.what == "process"}
     core = parents.get(worker) if worker is not None else None
     if core is None:
@@ -126,10 +124,11 @@ def _ms(event: Event | None) -> str:
 
 def report(events: list[Event], steps_shown: int, gap_ms: float) -> str:
     """The per-burst timelines and the per-size medians, as text."""
-    steps = talker_steps(events)
+    worker = talker_worker(events)
+    steps = talker_steps(events, worker)
     out: list[str] = []
     by_size: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for burst in bursts(arrivals(events), gap_ms):
+    for burst in bursts(arrivals(events, worker), gap_ms):
         t0 = burst[0].start
         ids = {e.details.get("id") for e in burst}
         spread = (burst[-1].start - t0) * 1000

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.probe_report import arrivals, bursts, parse, report, talker_steps
+from bench.probe_report import arrivals, bursts, parse, report, talker_steps, talker_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ROOT / "bench" / "gpu" / "step_probe"
@@ -60,9 +60,10 @@ def test_the_report_finds_the_bursts_their_engine_calls_prompts_and_the_talker_s
     # the trace's 16 sessions: 15 requests reached the talker's core together, the 16th after the talker's
     # next step, 127 ms after its engine call
     events = parse(TRACE.read_text().splitlines())
-    groups = bursts(arrivals(events), gap_ms=50.0)
+    worker = talker_worker(events)
+    groups = bursts(arrivals(events, worker), gap_ms=50.0)
     assert [len(group) for group in groups] == [15, 1]
-    steps = talker_steps(events)
+    steps = talker_steps(events, worker)
     built = {p.details["id"] for step in steps for p in step.prefills}
     assert built == {event.details["id"] for group in groups for event in group}
     assert all(step.execute.ms > 0 for step in steps)
@@ -76,5 +77,6 @@ def test_the_report_finds_the_bursts_their_engine_calls_prompts_and_the_talker_s
 
 def test_the_report_says_so_when_the_trace_has_no_process_lines() -> None:
     lines = [line for line in TRACE.read_text().splitlines() if " process " not in line]
+    events = parse(lines)
     with pytest.raises(ValueError, match="parent"):
-        arrivals(parse(lines))
+        arrivals(events, talker_worker(events))

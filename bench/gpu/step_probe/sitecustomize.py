@@ -35,13 +35,16 @@ def _say(what: str, start: float, details: str = "") -> None:
 
 
 def _timed(owner: type, name: str, what: str, details: Callable[..., str] | None = None,
-           least_ms: float = 0.0) -> None:
+           least_ms: float = 0.0, when: Callable[..., bool] | None = None) -> None:
+    """Wrap `owner.name` so that each call (each one `when` accepts, taking `least_ms` or more) prints a line."""
     original = getattr(owner, name, None)
     if original is None or getattr(original, "_vw_probe", False):
         return
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if when is not None and not when(*args, **kwargs):
+            return original(*args, **kwargs)
         start = time.monotonic()
         try:
             return original(*args, **kwargs)
@@ -91,23 +94,9 @@ def _patch_ar_runner(module: ModuleType) -> None:
 
 
 def _patch_talker(module: ModuleType) -> None:
-    talker = module.Qwen3TTSTalkerForConditionalGeneration
-    original = talker.preprocess
-    if getattr(original, "_vw_probe", False):
-        return
-
-    @functools.wraps(original)
-    def preprocess(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not kwargs.get("_omni_is_prefill"):
-            return original(self, *args, **kwargs)
-        start = time.monotonic()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _say("prefill_preprocess", start, f"id={kwargs.get('request_id')}")
-
-    preprocess._vw_probe = True  # type: ignore[attr-defined]
-    talker.preprocess = preprocess
+    _timed(module.Qwen3TTSTalkerForConditionalGeneration, "preprocess", "prefill_preprocess",
+           lambda *_, **kwargs: f"id={kwargs.get('request_id')}",
+           when=lambda *_, **kwargs: bool(kwargs.get("_omni_is_prefill")))
 
 
 def _patch_engine(module: ModuleType) -> None:
