@@ -1,16 +1,16 @@
 """Where a burst's first frames go in vllm-omni's talker: the step probe's lines read back as a timeline.
 
 Input: the `VWPROBE` lines of a server whose processes ran with `bench/gpu/step_probe` (`bench/gpu/probe_burst.sh`
-on the GPU machine; on the CPU: `VW_PROBE=1 PYTHONPATH=bench/gpu/step_probe python -m bench.omni_duel ...`, then
-`grep VWPROBE <out>/voicewire.log`). Each line: `VWPROBE pid what start_s ms details`.
+on the GPU machine; on the CPU: `VW_PROBE=1 VW_PROBE_FILE=probe.txt PYTHONPATH=bench/gpu/step_probe python -m
+bench.omni_duel ...`). Each line: `VWPROBE pid what start_s ms details`.
 
-A burst is a run of requests reaching the talker's engine core less than `--gap-ms` apart. For each burst the
-report gives the spread of the arrivals, when the server's engine calls for them came (ms from the first
-arrival, negative before it), and the talker's first steps after the first arrival: when each step
-starts (ms after the first arrival), its `execute_model` time, its `_preprocess` time and, inside that, the
-prefilling requests it built (`prefill_preprocess`: how many, ms in all), the code predictor's batch and time,
-`sample_tokens` time. Then, per burst size, the median over bursts of: the time until the last of the burst's
-prompts is built, and a prompt's build time. Run: `python -m bench.probe_report probe.txt [--steps 6]`.
+A burst is a run of the server's engine calls less than `--gap-ms` apart (sessions sent together). For each
+burst the report says when its requests reached the talker's engine core (ms after its first engine call) and
+in how many steps their prompts were built, then the talker's steps from its first call on: when each starts,
+its `execute_model` time, its `_preprocess` time and, inside that, the prefilling requests it built
+(`prefill_preprocess`: how many, ms in all), the code predictor's batch and time, `sample_tokens` time. Then,
+per burst size, the median [min-max] over bursts of the figures `report` names. Run: `python -m
+bench.probe_report probe.txt [--steps 6]`.
 """
 
 from __future__ import annotations
@@ -98,19 +98,26 @@ def talker_worker(events: list[Event]) -> int | None:
 
 
 def arrivals(events: list[Event], worker: int | None) -> list[Event]:
-    """Requests reaching the talker's engine core (the parent process of the talker's `worker`; every stage's
-    core gets each request): `add_request` there."""
+    """Requests reaching the talker's engine core (every stage's core gets each request): `add_request` in the
+    talker's `worker` where the core runs its model in-process (one GPU), else in the worker's parent process (the
+    core of a multiprocess executor, as on the CPU)."""
+    requests: dict[str, list[Event]] = defaultdict(list)
+    for event in events:
+        if event.what == "add_request":
+            requests[str(event.pid)].append(event)
+    if str(worker) in requests:
+        return requests[str(worker)]
     parents = {e.pid: e.details.get("ppid") for e in events if e.what == "process"}
     core = parents.get(worker) if worker is not None else None
     if core is None:
         raise ValueError("no `process` line names the talker worker's parent: a probe older than this report?")
-    return [e for e in events if e.what == "add_request" and str(e.pid) == core]
+    return requests.get(core, [])
 
 
-def bursts(requests: list[Event], gap_ms: float) -> list[list[Event]]:
-    """Runs of arrivals less than `gap_ms` apart."""
+def bursts(calls: list[Event], gap_ms: float) -> list[list[Event]]:
+    """Runs of events (the server's engine calls) less than `gap_ms` apart: the sessions it sent together."""
     groups: list[list[Event]] = []
-    for event in requests:
+    for event in calls:
         if groups and (event.start - groups[-1][-1].start) * 1000 < gap_ms:
             groups[-1].append(event)
         else:
@@ -118,43 +125,126 @@ def bursts(requests: list[Event], gap_ms: float) -> list[list[Event]]:
     return groups
 
 
+@dataclass
+class Burst:
+    """One burst of engine calls and what the talker did with it; times in ms after its first engine call."""
+
+    calls: list[Event]
+    arrived: list[Event]
+    prefill_steps: list[Step]
+    steps: list[Step]
+
+    @property
+    def t0(self) -> float:
+        return self.calls[0].start
+
+    def ms(self, when: float) -> float:
+        return (when - self.t0) * 1000
+
+    def built(self) -> list[Event]:
+        """The prompts built for this burst's requests."""
+        return [p for step in self.prefill_steps for p in step.prefills if _unit(p) in _units(self.calls)]
+
+    def decode_steps(self) -> list[Step]:
+        """The steps after the last of its prompts was built that build none of its prompts."""
+        last = self.prefill_steps[-1].execute.start if self.prefill_steps else self.t0
+        return [step for step in self.steps if step.execute.start > last and step not in self.prefill_steps]
+
+
+def _unit(event: Event) -> str:
+    """The engine call's id of a request id (the core's ids are the call's id and a random suffix)."""
+    return event.details.get("id", "?").rsplit("-", 1)[0]
+
+
+def _units(calls: list[Event]) -> set[str]:
+    return {call.details.get("id", "?") for call in calls}
+
+
+def match(burst_calls: list[Event], steps: list[Step], core_requests: list[Event]) -> Burst:
+    """A burst's arrivals at the talker's core (a unit's id can recur: the first arrival within `CALL_WINDOW_S`
+    after its call) and the talker steps, from its first call on, that built its prompts."""
+    t0, units = burst_calls[0].start, _units(burst_calls)
+    arrived: dict[str, Event] = {}
+    for event in core_requests:
+        if t0 <= event.start <= burst_calls[-1].start + CALL_WINDOW_S and _unit(event) in units:
+            arrived.setdefault(_unit(event), event)
+    later = [step for step in steps if step.execute.start >= t0]
+    prefill = [step for step in later if any(_unit(p) in units for p in step.prefills)]
+    return Burst(burst_calls, sorted(arrived.values(), key=lambda e: e.start), prefill, later)
+
+
 def _ms(event: Event | None) -> str:
     return "-" if event is None else f"{event.ms:.1f}"
 
 
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]" if values else "-"
+
+
+SUMMARY = ("calls to the core's last arrival", "prefill steps", "last prompt built", "one prompt's build",
+           "prefill execute", "first decode step at", "decode step execute")
+
+
+def timeline(burst: Burst, steps_shown: int) -> list[str]:
+    """One burst as text: its arrivals, the steps that prefilled it, then the talker's next steps."""
+    arrived = burst.arrived
+    span = f"{burst.ms(arrived[0].start):.1f} to {burst.ms(arrived[-1].start):.1f}" if arrived else "-"
+    out = [f"burst of {len(burst.calls)} engine calls over {burst.ms(burst.calls[-1].start):.1f} ms; "
+           f"{len(arrived)} reached the talker's core from {span} ms, prompts built {len(burst.built())} in "
+           f"{len(burst.prefill_steps)} steps",
+           "  step  at ms  execute  preprocess  prefills (ms)   mtp batch (ms)  sample"]
+    for index, step in enumerate(burst.steps[:steps_shown]):
+        prefills = f"{len(step.prefills)} ({sum(p.ms for p in step.prefills):.1f})" if step.prefills else "-"
+        mtp = f"{step.mtp.details.get('batch', '?')} ({step.mtp.ms:.1f})" if step.mtp is not None else "-"
+        out.append(f"  {index:>4}  {burst.ms(step.execute.start):6.1f}  {step.execute.ms:7.1f}  "
+                   f"{_ms(step.preprocess):>10}  {prefills:>13}  {mtp:>14}  {_ms(step.sample):>6}")
+    return out
+
+
+def figures(burst: Burst, decode_steps: int = 5) -> dict[str, float]:
+    """The summary's figures for one burst whose every request got its prompt built (ms after its first engine
+    call, or ms each); empty otherwise."""
+    built = burst.built()
+    if len(built) < len(burst.calls) or not burst.prefill_steps:
+        return {}
+    decode = burst.decode_steps()[:decode_steps]
+    result = {
+        "prefill steps": float(len(burst.prefill_steps)),
+        "last prompt built": burst.ms(max(p.end for p in built)),
+        "one prompt's build": statistics.median(p.ms for p in built),
+        "prefill execute": sum(step.execute.ms for step in burst.prefill_steps),
+    }
+    if len(burst.arrived) == len(burst.calls):  # else a request's line was lost (a probe printing to stderr)
+        result["calls to the core's last arrival"] = burst.ms(burst.arrived[-1].start)
+    if decode:
+        result["first decode step at"] = burst.ms(decode[0].execute.start)
+        result["decode step execute"] = statistics.median(step.execute.ms for step in decode)
+    return result
+
+
 def report(events: list[Event], steps_shown: int, gap_ms: float) -> str:
-    """The per-burst timelines and the per-size medians, as text."""
+    """The per-burst timelines, then per burst size the median [min-max] over bursts of each figure in `SUMMARY`
+    (ms after the burst's first engine call; a prompt's build and a step's execute in ms each; the prefill steps'
+    execute summed; decode steps: the first five after the burst's last prefill step)."""
     worker = talker_worker(events)
     steps = talker_steps(events, worker)
+    core_requests = arrivals(events, worker)
+    calls = [e for e in events if e.what == "engine_call"]
     out: list[str] = []
-    by_size: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for burst in bursts(arrivals(events, worker), gap_ms):
-        t0 = burst[0].start
-        ids = {e.details.get("id") for e in burst}
-        spread = (burst[-1].start - t0) * 1000
-        later = [s for s in steps if s.execute.start >= t0][:steps_shown]
-        built = [p for s in steps if s.execute.start >= t0 for p in s.prefills if p.details.get("id") in ids]
-        calls = [e for e in events if e.what == "engine_call" and t0 - CALL_WINDOW_S <= e.start <= burst[-1].start
-                 and any(arrival.details.get("id", "").startswith(e.details.get("id", "?")) for arrival in burst)]
-        called = (f"; engine calls from {(calls[0].start - t0) * 1000:.1f} to {(calls[-1].start - t0) * 1000:.1f} ms"
-                  if calls else "")
-        out.append(f"burst of {len(burst)} (arrivals over {spread:.1f} ms{called}), prompts built {len(built)}")
-        out.append("  step  at ms  execute  preprocess  prefills (ms)   mtp batch (ms)  sample")
-        for index, step in enumerate(later):
-            prefills = f"{len(step.prefills)} ({sum(p.ms for p in step.prefills):.1f})" if step.prefills else "-"
-            mtp = f"{step.mtp.details.get('batch', '?')} ({step.mtp.ms:.1f})" if step.mtp is not None else "-"
-            out.append(f"  {index:>4}  {(step.execute.start - t0) * 1000:6.1f}  {step.execute.ms:7.1f}  "
-                       f"{_ms(step.preprocess):>10}  {prefills:>13}  {mtp:>14}  {_ms(step.sample):>6}")
-        if built and len(built) >= len(burst):
-            done = (max(p.end for p in built) - t0) * 1000
-            by_size[len(burst)].append((done, statistics.median(p.ms for p in built)))
+    by_size: dict[int, list[dict[str, float]]] = defaultdict(list)
+    for group in bursts(calls, gap_ms):
+        burst = match(group, steps, core_requests)
+        out.extend(timeline(burst, steps_shown))
+        found = figures(burst)
+        if found:
+            by_size[len(group)].append(found)
     out.append("")
-    out.append("burst size  bursts  last prompt built, ms after the first arrival  one prompt's build, ms (medians)")
+    out.append("per burst size, median [min-max] over bursts (ms after the burst's first engine call, or ms each)")
+    out.append(f"{'size':>4}  {'bursts':>6}  " + "  ".join(f"{name:>26}" for name in SUMMARY))
     for size in sorted(by_size):
         rows = by_size[size]
-        done = statistics.median(r[0] for r in rows)
-        each = statistics.median(r[1] for r in rows)
-        out.append(f"{size:>10}  {len(rows):>6}  {done:>45.1f}  {each:>30.2f}")
+        cells = [_spread([row[name] for row in rows if name in row]) for name in SUMMARY]
+        out.append(f"{size:>4}  {len(rows):>6}  " + "  ".join(f"{cell:>26}" for cell in cells))
     return "\n".join(out)
 
 
@@ -162,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("probe", type=Path, help="a file of VWPROBE lines (a server log will do)")
     parser.add_argument("--steps", type=int, default=6, help="talker steps shown after each burst's first arrival")
-    parser.add_argument("--gap-ms", type=float, default=50.0, help="arrivals closer than this are one burst")
+    parser.add_argument("--gap-ms", type=float, default=50.0, help="engine calls closer than this are one burst")
     args = parser.parse_args(argv)
     events = parse(args.probe.read_text(errors="replace").splitlines())
     if not events:

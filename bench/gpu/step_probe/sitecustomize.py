@@ -1,8 +1,10 @@
 """A timing probe for vllm-omni's talker stage, loaded by Python at start-up (`sitecustomize`) in every process
 that has this folder on `PYTHONPATH` and `VW_PROBE=1` in its environment (bench/gpu/probe_burst.sh).
 
-It wraps, once their modules are imported, the calls that make up one talker step and prints one line per
-call to standard error: `VWPROBE <pid> <what> <start, CLOCK_MONOTONIC s> <ms> <details>`. CLOCK_MONOTONIC is
+It wraps, once their modules are imported, the calls that make up one talker step and writes one line per
+call: `VWPROBE <pid> <what> <start, CLOCK_MONOTONIC s> <ms> <details>`, appended to the file `VW_PROBE_FILE` names
+(one `write` per line, so the lines of every process and thread stay whole), or printed to standard error without
+it (where a server that relays its workers' output may join two lines into one). CLOCK_MONOTONIC is
 one clock for every process of the machine, so the lines of the engine core, the talker's worker and the
 server line up. Each process that imports a wrapped module first says who its parent is
 (`VWPROBE <pid> process 0 0 ppid=<pid>`: a stage's worker is its engine core's child). Wrapped:
@@ -28,10 +30,24 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+_SINK: dict[int, int] = {}
+"""This process's descriptor of `VW_PROBE_FILE`, by pid (a forked child opens its own)."""
+
+
+def _write(line: str) -> None:
+    """One whole line to `VW_PROBE_FILE` (a single `write` in append mode), or to standard error without it."""
+    path = os.environ.get("VW_PROBE_FILE")
+    if not path:
+        print(line, file=sys.stderr, flush=True)
+        return
+    pid = os.getpid()
+    if pid not in _SINK:
+        _SINK[pid] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(_SINK[pid], f"{line}\n".encode())
+
 
 def _say(what: str, start: float, details: str = "") -> None:
-    print(f"VWPROBE {os.getpid()} {what} {start:.6f} {(time.monotonic() - start) * 1000:.3f} {details}",
-          file=sys.stderr, flush=True)
+    _write(f"VWPROBE {os.getpid()} {what} {start:.6f} {(time.monotonic() - start) * 1000:.3f} {details}")
 
 
 def _timed(owner: type, name: str, what: str, details: Callable[..., str] | None = None,
@@ -119,7 +135,7 @@ _introduced: set[int] = set()
 def _introduce() -> None:
     if os.getpid() not in _introduced:
         _introduced.add(os.getpid())
-        print(f"VWPROBE {os.getpid()} process 0 0 ppid={os.getppid()}", file=sys.stderr, flush=True)
+        _write(f"VWPROBE {os.getpid()} process 0 0 ppid={os.getppid()}")
 
 
 class _Loader(importlib.abc.Loader):
