@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CALL_WINDOW_S = 5.0
-"""How long before a burst's first arrival an engine call may be one of its requests' (a unit's id can recur)."""
+"""How long after a burst's last engine call its requests' arrivals and prompts are looked for (a unit's id can
+recur in a later burst)."""
 
 
 @dataclass(frozen=True)
@@ -146,9 +147,9 @@ class Burst:
         return [p for step in self.prefill_steps for p in step.prefills if _unit(p) in _units(self.calls)]
 
     def decode_steps(self) -> list[Step]:
-        """The steps after the last of its prompts was built that build none of its prompts."""
+        """The steps after the last one that built its prompts."""
         last = self.prefill_steps[-1].execute.start if self.prefill_steps else self.t0
-        return [step for step in self.steps if step.execute.start > last and step not in self.prefill_steps]
+        return [step for step in self.steps if step.execute.start > last]
 
 
 def _unit(event: Event) -> str:
@@ -161,15 +162,16 @@ def _units(calls: list[Event]) -> set[str]:
 
 
 def match(burst_calls: list[Event], steps: list[Step], core_requests: list[Event]) -> Burst:
-    """A burst's arrivals at the talker's core (a unit's id can recur: the first arrival within `CALL_WINDOW_S`
-    after its call) and the talker steps, from its first call on, that built its prompts."""
+    """A burst's arrivals at the talker's core and the talker steps that built its prompts, both within
+    `CALL_WINDOW_S` after its last call (a unit's id can recur later)."""
     t0, units = burst_calls[0].start, _units(burst_calls)
+    until = burst_calls[-1].start + CALL_WINDOW_S
     arrived: dict[str, Event] = {}
     for event in core_requests:
-        if t0 <= event.start <= burst_calls[-1].start + CALL_WINDOW_S and _unit(event) in units:
+        if t0 <= event.start <= until and _unit(event) in units:
             arrived.setdefault(_unit(event), event)
     later = [step for step in steps if step.execute.start >= t0]
-    prefill = [step for step in later if any(_unit(p) in units for p in step.prefills)]
+    prefill = [step for step in later if step.execute.start <= until and any(_unit(p) in units for p in step.prefills)]
     return Burst(burst_calls, sorted(arrived.values(), key=lambda e: e.start), prefill, later)
 
 
