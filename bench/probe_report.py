@@ -102,17 +102,16 @@ def arrivals(events: list[Event], worker: int | None) -> list[Event]:
     """Requests reaching the talker's engine core (every stage's core gets each request): `add_request` in the
     talker's `worker` where the core runs its model in-process (one GPU), else in the worker's parent process (the
     core of a multiprocess executor, as on the CPU)."""
-    requests: dict[str, list[Event]] = defaultdict(list)
+    requests: dict[int, list[Event]] = defaultdict(list)
     for event in events:
         if event.what == "add_request":
-            requests[str(event.pid)].append(event)
-    if str(worker) in requests:
-        return requests[str(worker)]
-    parents = {e.pid: e.details.get("ppid") for e in events if e.what == "process"}
-    core = parents.get(worker) if worker is not None else None
-    if core is None:
+            requests[event.pid].append(event)
+    if worker in requests:
+        return requests[worker]
+    parents = {e.pid: int(e.details["ppid"]) for e in events if e.what == "process" and "ppid" in e.details}
+    if worker not in parents:
         raise ValueError("no `process` line names the talker worker's parent: a probe older than this report?")
-    return requests.get(core, [])
+    return requests.get(parents[worker], [])
 
 
 def bursts(calls: list[Event], gap_ms: float) -> list[list[Event]]:
@@ -144,7 +143,8 @@ class Burst:
 
     def built(self) -> list[Event]:
         """The prompts built for this burst's requests."""
-        return [p for step in self.prefill_steps for p in step.prefills if _unit(p) in _units(self.calls)]
+        units = _units(self.calls)
+        return [p for step in self.prefill_steps for p in step.prefills if _unit(p) in units]
 
     def decode_steps(self) -> list[Step]:
         """The steps after the last one that built its prompts."""

@@ -30,19 +30,19 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+_PATH = os.environ.get("VW_PROBE_FILE")
 _SINK: dict[int, int] = {}
 """This process's descriptor of `VW_PROBE_FILE`, by pid (a forked child opens its own)."""
 
 
 def _write(line: str) -> None:
     """One whole line to `VW_PROBE_FILE` (a single `write` in append mode), or to standard error without it."""
-    path = os.environ.get("VW_PROBE_FILE")
-    if not path:
+    if not _PATH:
         print(line, file=sys.stderr, flush=True)
         return
     pid = os.getpid()
     if pid not in _SINK:
-        _SINK[pid] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        _SINK[pid] = os.open(_PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.write(_SINK[pid], f"{line}\n".encode())
 
 
