@@ -654,10 +654,20 @@ def units_run(server: ServerThread) -> float:
 
 
 def stage_process(stage: int) -> psutil.Process:
-    """The engine-core process of vllm-omni stage `stage` (0: the talker, 1: code2wav) of this test's engine."""
+    """The engine-core process of vllm-omni stage `stage` (0: the talker, 1: code2wav) of this test's engine.
+    Children that exit meanwhile or wait to be reaped (an earlier test's helper: a zombie's command line cannot be
+    read) are not it."""
     [process] = [p for p in psutil.Process().children(recursive=True)
-                 if f"StageEngineCoreProc_stage{stage}_" in " ".join(p.cmdline())]
+                 if f"StageEngineCoreProc_stage{stage}_" in " ".join(command_line(p))]
     return process
+
+
+def command_line(process: psutil.Process) -> list[str]:
+    """`process`'s command line; empty for a process that has exited or is a zombie."""
+    try:
+        return process.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):  # ZombieProcess is a NoSuchProcess
+        return []
 
 
 @kind("base")
