@@ -540,9 +540,10 @@ class OmniEngine:
         urgent first, each chunk due when the audio before it has played (as the talker engine does). While
         another unit has no frame read yet (its prompt waits for the talker's prefill, which lengthens the
         next step for every request, or its frame of the same step is not read yet), the unit's first chunk
-        waits for its second frame and takes both, so that a unit started just before a burst does not run
-        dry after one frame; the units of one burst then mostly start with two frames, one step later. The
-        pipeline's own audio (one frame, decoded at the request's end) is dropped."""
+        waits, up to `QWEN3_POLICY.held_first_frames` frames, and takes every frame in hand, so that a unit
+        started early in a burst does not run dry while the talker prefills the rest; the units of one burst
+        then mostly start with two frames or more, a step or more later. The pipeline's own audio (one frame,
+        decoded at the request's end) is dropped."""
         ticket, arrivals = router.claim()
         prompt["additional_information"][FRAMES_KEY] = [ticket]
         sampling = self._sampling_params(request, params)

@@ -43,9 +43,15 @@ RANDOM_SEED = 1234
 decodes silence)."""
 
 QWEN3_POLICY = ChunkPolicy(initial_frames=1, steady_frames=25, left_context_frames=72, lookahead_frames=0,
-                           pad_frames=0)
+                           pad_frames=0, delivery_slack_s=0.12, held_first_frames=4)
 """Chunks for the causal decoder: left context only (72 frames, vllm-omni's streaming window), the largest
-chunk vllm-omni's own (25 frames)."""
+chunk vllm-omni's own (25 frames). Two margins are wider than the talker engine's, from the duel at 64
+sessions on an H100 (2026-12-07, docs/benchmarks.md "The held first chunk again"), where one stream in 2
+rounds of 4 ran dry for 8-9 ms: this codec's calls took 30-35 ms there (up to 55), against SNAC's 21-24 (up
+to 40) under which the talker engine's 80 ms of slack was measured, so 120 ms; and a first chunk held
+through a burst's prefill (`ChunkStreamer.push`'s `hold_first`) waits for up to 4 frames (320 ms of audio)
+where 2 left a stream that started early in the burst 8 ms short of its next frames, which vllm-omni's
+talker sent 265 ms later while it prefilled the rest of the burst."""
 
 
 def conv_context_frames(decoder: Any) -> int:

@@ -117,6 +117,9 @@ class ChunkPolicy:
     10 ms of a 50 ms slack for the rest, and 1-10 streams stalled 4-12 ms in 2 rounds of 5 (docs/benchmarks.md)."""
     delivery_hold: float = 0.9
     """Per delivered chunk, the factor by which the held peak delivery latency decays toward newer ones."""
+    held_first_frames: int = 2
+    """`ChunkStreamer.push`'s `hold_first`: while it holds, the first chunk waits until it has this many frames
+    (at least `initial_frames` + 1), then takes every frame in hand."""
 
     def __post_init__(self) -> None:
         if self.initial_frames < 1 or self.steady_frames < 1:
@@ -129,6 +132,8 @@ class ChunkPolicy:
             raise ValueError("margin_s must be >= 0 and pace_smoothing in (0, 1]")
         if self.delivery_slack_s < 0 or not 0 <= self.delivery_hold < 1:
             raise ValueError("delivery_slack_s must be >= 0 and delivery_hold in [0, 1)")
+        if self.held_first_frames < 1:
+            raise ValueError("held_first_frames must be at least 1")
 
     def next_size(self, sent: int) -> int:
         """Frames in the chunk after the first `sent` frames (the ramp; see the module doc)."""
@@ -185,6 +190,11 @@ class ChunkStreamer:
     _held: bool = False
     """A push held the first chunk back (`push`'s `hold_first`): it takes every frame in hand when cut."""
 
+    @property
+    def _held_frames(self) -> int:
+        """The frames a held first chunk waits for (`ChunkPolicy.held_first_frames`, `push`)."""
+        return max(self.policy.held_first_frames, self.initial_frames + 1)
+
     def context(self, frames: CodeFrames) -> None:
         """Frames that precede the unit's own as the decoder's left context only (a cloned voice's reference
         codes): windows take them as context, no chunk covers them. Only before the first `push`; raises
@@ -203,9 +213,10 @@ class ChunkStreamer:
         listener's clock and the talker's speed (module doc); `backlog_s`, the codec's estimated work queued
         ahead of a window cut now (`CodecBatcher.backlog_s`), widens the margin for this push. `hold_first`
         says the talker's next frame may be far off (e.g. other units' prompts wait for its prefill): a
-        first chunk not yet cut then waits for a frame beyond `initial_frames` (unless the frames are
-        `final`), and when cut takes every frame in hand (at most `steady_frames`), so that its audio covers
-        the wait instead of running dry in it. Call `finish()` after the last push either way."""
+        first chunk not yet cut then waits, while pushes say so, until it holds `held_first_frames` frames
+        and more than `initial_frames` (unless the frames are `final`), and when cut takes every frame in
+        hand (at most `steady_frames`), so that its audio covers the wait instead of running dry in it. Call
+        `finish()` after the last push either way."""
         self._backlog_s = max(backlog_s, 0.0)
         if len(frames):
             self._frames.append(frames)
@@ -216,7 +227,7 @@ class ChunkStreamer:
         due: list[DecodeWindow] = []
         while self._next < self._total:
             first = self._next == self._base
-            if first and hold_first and not final and self._total - self._base <= self.initial_frames:
+            if first and hold_first and not final and self._total - self._base < self._held_frames:
                 self._held = True
                 break
             if first and self._held:

@@ -704,20 +704,28 @@ def duel(clients: ProcessPoolExecutor, running: dict[str, Server], levels: list[
 
 
 CODEC_COUNTERS: Final = ("batches", "windows", "frames", "decode_seconds", "late_windows", "fallbacks",
-                         "first_chunks", "first_frames_seconds", "first_decode_seconds")
+                         "first_chunks", "first_frames_seconds", "first_decode_seconds", "gc_pause_seconds",
+                         "gc_full_collections")
 
 
 def codec_figures(server: Server) -> dict[str, float] | None:
     """voicewire's own codec figures now, from its `/metrics` (`voicewire_codec_*`, less the prefix and
-    `_total`), or None where there are none (vllm-omni's server; voicewire decoding in vllm-omni's code2wav)."""
+    `_total`), with the server's garbage collector's pauses (`gc_pause_seconds`, every generation, and
+    `gc_full_collections`: every session's audio waits for them), or None where there are no codec figures
+    (vllm-omni's server; voicewire decoding in vllm-omni's code2wav)."""
     if server.kind != "voicewire":
         return None
     with urllib.request.urlopen(server.http_url + "/metrics", timeout=10) as response:
         text = response.read().decode()
+    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
     figures = {sample.name.removeprefix("voicewire_codec_").removesuffix("_total"): sample.value
-               for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name.startswith("voicewire_codec_")}
-    return figures or None
+               for sample in samples if sample.name.startswith("voicewire_codec_")}
+    if not figures:
+        return None
+    figures["gc_pause_seconds"] = sum(s.value for s in samples if s.name == "voicewire_gc_pause_seconds_sum")
+    figures["gc_full_collections"] = sum(s.value for s in samples if s.name == "voicewire_gc_pause_seconds_count"
+                                         and s.labels.get("generation") == "2")
+    return figures
 
 
 def codec_moved(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
@@ -738,7 +746,8 @@ def codec_line(codec: dict[str, float] | None) -> str:
             f"{1000 * codec['decode_seconds'] / calls:.1f} ms a call, {codec['late_windows']:.0f} late, "
             f"{codec['cuda_graphs']:.0f} CUDA graphs; first chunk, mean of {codec['first_chunks']:.0f} units: "
             f"engine call -> frames {1000 * codec['first_frames_seconds'] / units:.0f} ms, "
-            f"frames -> audio {1000 * codec['first_decode_seconds'] / units:.0f} ms")
+            f"frames -> audio {1000 * codec['first_decode_seconds'] / units:.0f} ms; server gc "
+            f"{1000 * codec['gc_pause_seconds']:.0f} ms ({codec['gc_full_collections']:.0f} full)")
 
 
 async def _all_ready(servers: list[Server], timeout: float) -> list[BaseException | None]:

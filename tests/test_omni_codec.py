@@ -126,21 +126,34 @@ def test_a_reference_is_left_context_that_no_chunk_covers(codec: Qwen3Codec, pac
         late.context(reference)
 
 
-def test_a_held_first_chunk_waits_for_its_second_frame_and_takes_both(codec: Qwen3Codec) -> None:
-    """`hold_first` (other units' prompts wait for the talker's prefill): the first frame alone is not cut;
-    with the second the first chunk covers both (160 ms to play through the long step); the rest of the
-    schedule and the seams are as without the hold."""
+def test_a_held_first_chunk_waits_for_its_frames_and_takes_them_all(codec: Qwen3Codec) -> None:
+    """`hold_first` (other units' prompts wait for the talker's prefill): no first chunk is cut before
+    `held_first_frames` (4 for Qwen3: 320 ms to play through the burst's prefill steps); then it covers every
+    frame in hand; the rest of the schedule and the seams are as without the hold."""
+    assert QWEN3_POLICY.held_first_frames == 4
     frames = random_frames(40, seed=6)
     streamer = ChunkStreamer(QWEN3_POLICY, QWEN3_POLICY.initial_frames, layout=QWEN3_LAYOUT)
     assert streamer.push(frames[:1], now=0.0, hold_first=True) == []
-    first = streamer.push(frames[1:2], now=0.15, hold_first=True)
-    assert [w.chunk_frames for w in first] == [2] and first[0].first_frame == 0
-    windows = first + [w for i in range(2, 40) for w in streamer.push(frames[i:i + 1], final=i == 39,
-                                                                         now=0.15 + 0.02 * i, hold_first=True)]
+    assert streamer.push(frames[1:3], now=0.1, hold_first=True) == []
+    first = streamer.push(frames[3:5], now=0.2, hold_first=True)
+    assert [w.chunk_frames for w in first] == [5] and first[0].first_frame == 0
+    windows = first + [w for i in range(5, 40) for w in streamer.push(frames[i:i + 1], final=i == 39,
+                                                                         now=0.2 + 0.02 * i, hold_first=True)]
     windows += streamer.finish()
     assert sum(w.chunk_frames for w in windows) == 40
     chunked = np.concatenate([codec.decode(w.frames[None])[0, w.emit_start:w.emit_end] for w in windows])
     assert float(np.abs(chunked - vllm_omni_whole(codec, frames)).max()) <= TOLERANCE
+
+
+def test_a_hold_that_ends_cuts_the_first_chunk_with_the_frames_in_hand() -> None:
+    """Once no other unit waits for its first frame (`hold_first` false), a held first chunk goes out with the
+    frames it has, fewer than `held_first_frames`; a request's larger first chunk is held one frame past it."""
+    streamer = ChunkStreamer(QWEN3_POLICY, QWEN3_POLICY.initial_frames, layout=QWEN3_LAYOUT)
+    assert streamer.push(random_frames(2, seed=9), now=0.0, hold_first=True) == []
+    assert [w.chunk_frames for w in streamer.push(random_frames(1, seed=10), now=0.07)] == [3]
+    larger = ChunkStreamer(QWEN3_POLICY, 5, layout=QWEN3_LAYOUT)
+    assert larger.push(random_frames(5, seed=11), now=0.0, hold_first=True) == []
+    assert [w.chunk_frames for w in larger.push(random_frames(1, seed=12), now=0.07, hold_first=True)] == [6]
 
 
 def test_a_held_first_chunk_goes_out_at_once_when_its_frames_end_the_unit() -> None:
