@@ -26,8 +26,11 @@ which samples of the decoded window to send:
   the same slack, so a queue that deepens at once (many sessions cutting together) is met when it forms,
   not one chunk later. Until the pace
   is known (one arrival), frames in hand after the first chunk go out at once. A talker slower than real
-  time gets no early cuts: the listener hears a gap either way, and the ramp's larger chunks keep the codec
-  from adding to the load that slowed it. Without `now` the schedule is the ramp alone.
+  time, both lately (the smoothed pace) and over the unit so far, gets no early cuts: the listener hears a
+  gap either way, and the ramp's larger chunks keep the codec from adding to the load that slowed it. A
+  talker slow for a few steps only (a burst's prefill, a long step) still gets them: its listener has audio
+  in hand that early cuts protect, where waiting for a ramp-sized chunk at the slow pace would run it dry.
+  Without `now` the schedule is the ramp alone.
 - **Seams.** SNAC's decoder is not causal: a sample depends on about 3 frames on each side. Every chunk is
   decoded with up to `left_context_frames` frames before it, so its first sample equals the whole-sequence
   decode. A chunk that starts at frame `lookahead_from_frame` or later also waits for `lookahead_frames`
@@ -178,6 +181,10 @@ class ChunkStreamer:
     _played_from: float | None = None
     """Paced: when the first chunk was cut (the listener's clock starts there)."""
     _last_arrival: float | None = None
+    _first_arrival: float | None = None
+    """Paced: when the unit's first frames arrived."""
+    _frames_since_first: int = 0
+    """Paced: frames that arrived after the first arrival (the unit's mean pace is the time since over these)."""
     _frame_s: float | None = None
     """Paced: the talker's measured seconds per frame (smoothed)."""
     _gap_s: float | None = None
@@ -271,6 +278,9 @@ class ChunkStreamer:
             gap = max(0.0, now - self._last_arrival)
             self._frame_s = self._smooth(self._frame_s, gap / frames)
             self._gap_s = self._smooth(self._gap_s, gap)
+            self._frames_since_first += frames
+        else:
+            self._first_arrival = now
         self._last_arrival = now
 
     def _smooth(self, average: float | None, sample: float) -> float:
@@ -289,9 +299,15 @@ class ChunkStreamer:
             return False
         if self._gap_s is None:
             return True  # until a second arrival shows the talker's pace, any wait may be too long
-        if self._frame_s is not None and self._frame_s >= self.layout.frame_s:
+        if self._frame_s is not None and self._frame_s >= self.layout.frame_s and self._slow_over_unit():
             return False  # slower than real time: a gap comes anyway; chunks of the ramp's size cost less codec work
         return left <= self._margin() + self._gap_s
+
+    def _slow_over_unit(self) -> bool:
+        """Paced: the talker's mean seconds per frame since the unit's first arrival is at least a frame's audio."""
+        if self._first_arrival is None or self._last_arrival is None or not self._frames_since_first:
+            return False
+        return (self._last_arrival - self._first_arrival) / self._frames_since_first >= self.layout.frame_s
 
     def _affordable(self, now: float | None) -> int:
         """Paced: the largest next chunk whose missing frames the talker makes, at its measured pace, before

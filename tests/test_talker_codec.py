@@ -160,19 +160,20 @@ FRAME_S = SAMPLES_PER_FRAME / 24000
 
 def paced_playback(policy: ChunkPolicy, frames: np.ndarray, rtf: float, decode_s: float | Callable[[float], float],
                    *, paced: bool = True, burst: int = 1, report: bool = False,
-                   backlog: Callable[[float], float] | None = None) -> tuple[list[DecodeWindow], list[float]]:
-    """A talker at real-time factor `rtf` (its frames arrive `burst` at a time, after a 30 ms prefill) through
-    a streamer, each window heard `decode_s` after it is cut (or `decode_s(cut time)`: a load that changes;
-    with `report`, each window's latency is reported to the streamer as the engine does; with `backlog`, each
-    push is given `backlog(now)` as the codec's queued work, as the engine gives its batcher's estimate);
-    returns the windows and the stalls (seconds) a player starting at the first chunk hears. Simulated time:
-    no clock is read."""
+                   backlog: Callable[[float], float] | None = None,
+                   arrival: Callable[[int], float] | None = None) -> tuple[list[DecodeWindow], list[float]]:
+    """A talker at real-time factor `rtf` (its frames arrive `burst` at a time, after a 30 ms prefill; or frame
+    i at `arrival(i)`) through a streamer, each window heard `decode_s` after it is cut (or `decode_s(cut
+    time)`: a load that changes; with `report`, each window's latency is reported to the streamer as the
+    engine does; with `backlog`, each push is given `backlog(now)` as the codec's queued work, as the engine
+    gives its batcher's estimate); returns the windows and the stalls (seconds) a player starting at the first
+    chunk hears. Simulated time: no clock is read."""
     latency = decode_s if callable(decode_s) else (lambda _at: decode_s)
     streamer = ChunkStreamer(policy, policy.initial_frames)
     cut: list[tuple[float, DecodeWindow]] = []
     now = 0.0
     for at in range(0, len(frames), burst):
-        now = 0.03 + (at + burst - 1) * rtf * FRAME_S
+        now = 0.03 + (at + burst - 1) * rtf * FRAME_S if arrival is None else arrival(at + burst - 1)
         chunk = frames[at:at + burst]
         final = at + burst >= len(frames)
         due = streamer.push(chunk, final=final, now=now if paced else None,
@@ -269,6 +270,23 @@ def test_a_talker_slower_than_real_time_gets_no_more_codec_windows_than_the_ramp
     paced, _ = paced_playback(ChunkPolicy(), frames, 1.3, decode_s=0.05)
     ramp, _ = paced_playback(ChunkPolicy(), frames, 1.3, decode_s=0.05, paced=False)
     assert len(paced) <= len(ramp) + 2
+
+
+def test_a_talker_slow_for_a_few_steps_still_gets_early_cuts() -> None:
+    """A fast talker (30 ms a frame) slows to 150 ms a frame for 6 steps (a burst's prefill, as at 64 sessions
+    of the omni duel): its smoothed pace passes real time, but over the unit it is well ahead, and the
+    listener's buffer is what early cuts protect. Waiting for ramp-sized chunks at the slow pace runs it dry;
+    with early cuts it never does."""
+    frames = random_frames(60)
+
+    def arrival(index: int) -> float:
+        return 0.03 + 0.03 * index + 0.12 * min(max(index - 10, 0), 6)
+
+    windows, stalls = paced_playback(ChunkPolicy(), frames, 0.0, decode_s=0.05, report=True, arrival=arrival)
+    _, ramp_stalls = paced_playback(ChunkPolicy(), frames, 0.0, decode_s=0.05, paced=False, arrival=arrival)
+    assert ramp_stalls, "ramp-sized chunks run dry in the slow steps"
+    assert stalls == []
+    assert sum(w.chunk_frames for w in windows) == 60
 
 
 def test_paced_chunks_decode_like_the_whole_sequence(codec: SnacCodec) -> None:
