@@ -73,7 +73,7 @@ from voicewire.adapters.omni_pacing import EXTRA_KEY as PACING_KEY
 from voicewire.adapters.omni_pacing import PROCESSOR as PACING_PROCESSOR
 from voicewire.adapters.omni_pacing import STREAMS_KEY as PACING_STREAMS_KEY
 from voicewire.adapters.registry import QWEN3_TTS
-from voicewire.adapters.talker_codec import ChunkStreamer, CodecBatcher, DecodeWindow
+from voicewire.adapters.talker_codec import ChunkStreamer, CodecBatcher, DecodeWindow, FirstChunkSizer
 from voicewire.protocol.engine import (
     NO_TOKENS,
     AudioPiece,
@@ -288,6 +288,7 @@ class OmniEngine:
         self._batcher: CodecBatcher | None = None
         self._chunks = (QWEN3_POLICY if config.codec_margin_s is None
                         else replace(QWEN3_POLICY, margin_s=config.codec_margin_s))
+        self._first_chunks = self._first_chunk_sizer()
 
     @property
     def info(self) -> EngineInfo:
@@ -341,6 +342,7 @@ class OmniEngine:
         except BaseException:
             await self.close()
             raise
+        self._first_chunks = self._first_chunk_sizer()  # the warm-up's first decodes are no measure of load
 
     async def close(self) -> None:
         omni, self._omni = self._omni, None
@@ -358,6 +360,11 @@ class OmniEngine:
             await batcher.close()
         if router is not None:
             router.close()
+
+    def _first_chunk_sizer(self) -> FirstChunkSizer:
+        """With the own codec: a unit's first chunk frames by the load (`FirstChunkSizer`), at most a held
+        first chunk's."""
+        return FirstChunkSizer(QWEN3_LAYOUT.frame_s, cap=self._chunks.held_first_frames)
 
     async def _start_codec(self, random_weights: bool) -> None:
         """Voicewire's own codec path: the decoder (loaded on the codec thread, with its CUDA graphs on a GPU;
@@ -542,14 +549,17 @@ class OmniEngine:
         next step for every request, or its frame of the same step is not read yet), the unit's first chunk
         waits, up to `QWEN3_POLICY.held_first_frames` frames, and takes every frame in hand, so that a unit
         started early in a burst does not run dry while the talker prefills the rest; the units of one burst
-        then mostly start with two frames or more, a step or more later. The pipeline's own audio (one frame,
-        decoded at the request's end) is dropped."""
+        then mostly start with two frames or more, a step or more later. A unit not held starts with as many
+        frames as the load needs for its second chunk to follow in time (`FirstChunkSizer`: one frame unless
+        the talker's steps and the codec's latency have grown past a frame's audio). The pipeline's own audio
+        (one frame, decoded at the request's end) is dropped."""
         ticket, arrivals = router.claim()
         prompt["additional_information"][FRAMES_KEY] = [ticket]
         sampling = self._sampling_params(request, params)
         rate = self.model.sample_rate
         chunks = self._chunks
-        initial = request.initial_codec_chunk_frames or chunks.initial_frames
+        sizer = self._first_chunks
+        initial = request.initial_codec_chunk_frames or sizer.first_chunk_frames(chunks.initial_frames)
         streamer = ChunkStreamer(chunks, min(initial, chunks.steady_frames), layout=QWEN3_LAYOUT,
                                  window_lengths=batcher.codec.graph_lengths)
         first = TokenCounts(text_tokens, omni_compat.qwen3_tts_reference_tokens(params))
@@ -561,11 +571,16 @@ class OmniEngine:
 
         async def due_windows() -> AsyncGenerator[DecodeWindow]:
             """The unit's chunks to decode, in order, as the talker's frames make them due."""
+            last: float | None = None
             while True:
                 frames, ended, reference = await _next_frames(arrivals, request_task)
                 if reference is not None:
                     streamer.context(reference)
                 now = time.perf_counter()
+                if len(frames):
+                    if last is not None:
+                        sizer.arrived(now - last, len(frames))
+                    last = now
                 # another unit with no frame read yet: the talker's next step may prefill its prompt
                 for window in streamer.push(frames, final=ended, now=now, backlog_s=batcher.backlog_s(now),
                                             hold_first=router.unstarted > 0):
@@ -584,7 +599,9 @@ class OmniEngine:
                     cut = time.perf_counter()
                     deadline = cut if played_from is None else played_from + sent / rate
                     audio = await batcher.decode(window, deadline)
-                    streamer.delivered(time.perf_counter() - cut)
+                    latency = time.perf_counter() - cut
+                    streamer.delivered(latency)
+                    sizer.delivered(latency)
                     if played_from is None:
                         played_from = time.perf_counter()
                         batcher.first_chunk(called, cut, played_from)

@@ -159,6 +159,43 @@ class DecodeWindow:
 
 
 @dataclass(slots=True)
+class FirstChunkSizer:
+    """Engine-wide: the frames a unit's first chunk needs to play until its second can follow, from what every
+    stream measured lately. A second chunk comes one talker step after the first (the stream's next frame)
+    plus its own cut -> decoded latency, where the first chunk's audio plays from its own delivery; its
+    latency may be longer than the first's (a first chunk is the codec's most urgent window), so the first
+    chunk is sized to cover the step and the whole latency: ceil((step + latency) / frame), between the
+    caller's floor and `cap`. Under light load that is one frame (a step and a decode well inside 80 ms); under
+    a burst's slow first steps, two or more, one step later. Both figures are smoothed over every stream's
+    observations (`weight` each, so a burst's first steps move them within a fraction of one step's arrivals)
+    and 0 until observed: an idle engine's first chunk is the floor."""
+
+    frame_s: float
+    """Seconds of audio in one frame."""
+    cap: int
+    """The most frames a first chunk is sized to (a talker slower than real time runs dry whatever it is)."""
+    weight: float = 0.1
+    step_s: float = 0.0
+    """Smoothed seconds between two arrivals of one stream's frames, per frame."""
+    delivery_s: float = 0.0
+    """Smoothed cut -> decoded latency of every stream's chunks."""
+
+    def arrived(self, gap_s: float, frames: int) -> None:
+        """One stream's `frames` arrived `gap_s` after its previous ones."""
+        if frames > 0:
+            self.step_s += self.weight * (max(gap_s, 0.0) / frames - self.step_s)
+
+    def delivered(self, latency_s: float) -> None:
+        """A chunk's audio was decoded `latency_s` after its frames were cut."""
+        self.delivery_s += self.weight * (max(latency_s, 0.0) - self.delivery_s)
+
+    def first_chunk_frames(self, floor: int) -> int:
+        """The first chunk's frames for a unit starting now: at least `floor`, at most `cap` (or `floor`)."""
+        need = math.ceil((self.step_s + self.delivery_s) / self.frame_s - 1e-9)
+        return min(max(floor, need), max(floor, self.cap))
+
+
+@dataclass(slots=True)
 class ChunkStreamer:
     """Chunk decisions for one unit (pure; see the module doc). Feed frames with `push`, end with
     `finish`; each returns the windows now due, in playback order. Memory: the unit's codes (7 int64 per

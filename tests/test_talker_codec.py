@@ -16,6 +16,7 @@ from voicewire.adapters.talker_codec import (
     ChunkStreamer,
     CodecBatcher,
     DecodeWindow,
+    FirstChunkSizer,
     SnacCodec,
     batch_size,
     capture_shapes,
@@ -160,16 +161,17 @@ FRAME_S = SAMPLES_PER_FRAME / 24000
 
 def paced_playback(policy: ChunkPolicy, frames: np.ndarray, rtf: float, decode_s: float | Callable[[float], float],
                    *, paced: bool = True, burst: int = 1, report: bool = False,
-                   backlog: Callable[[float], float] | None = None,
-                   arrival: Callable[[int], float] | None = None) -> tuple[list[DecodeWindow], list[float]]:
+                   backlog: Callable[[float], float] | None = None, arrival: Callable[[int], float] | None = None,
+                   initial: int | None = None) -> tuple[list[DecodeWindow], list[float]]:
     """A talker at real-time factor `rtf` (its frames arrive `burst` at a time, after a 30 ms prefill; or frame
     i at `arrival(i)`) through a streamer, each window heard `decode_s` after it is cut (or `decode_s(cut
     time)`: a load that changes; with `report`, each window's latency is reported to the streamer as the
     engine does; with `backlog`, each push is given `backlog(now)` as the codec's queued work, as the engine
-    gives its batcher's estimate); returns the windows and the stalls (seconds) a player starting at the first
-    chunk hears. Simulated time: no clock is read."""
+    gives its batcher's estimate; `initial`: the first chunk's frames, default the policy's); returns the
+    windows and the stalls (seconds) a player starting at the first chunk hears. Simulated time: no clock is
+    read."""
     latency = decode_s if callable(decode_s) else (lambda _at: decode_s)
-    streamer = ChunkStreamer(policy, policy.initial_frames)
+    streamer = ChunkStreamer(policy, initial or policy.initial_frames)
     cut: list[tuple[float, DecodeWindow]] = []
     now = 0.0
     for at in range(0, len(frames), burst):
@@ -287,6 +289,46 @@ def test_a_talker_slow_for_a_few_steps_still_gets_early_cuts() -> None:
     assert ramp_stalls, "ramp-sized chunks run dry in the slow steps"
     assert stalls == []
     assert sum(w.chunk_frames for w in windows) == 60
+
+
+def test_the_first_chunk_is_sized_by_the_measured_step_and_latency() -> None:
+    """`FirstChunkSizer`: an idle engine's first chunk is the floor; once the talker's steps (75 ms a frame) and
+    the codec's latency (60 ms) together pass a frame's audio, two frames; never past the cap, never below a
+    larger floor."""
+    sizer = FirstChunkSizer(FRAME_S, cap=4)
+    assert sizer.first_chunk_frames(1) == 1
+    for _ in range(8):
+        sizer.arrived(0.02, 1)
+        sizer.delivered(0.01)
+    assert sizer.first_chunk_frames(1) == 1, "light load: one frame"
+    for _ in range(60):
+        sizer.arrived(0.15, 2)
+        sizer.delivered(0.06)
+    assert sizer.first_chunk_frames(1) == 2
+    assert sizer.first_chunk_frames(3) == 3
+    for _ in range(60):
+        sizer.arrived(0.5, 1)
+    assert sizer.first_chunk_frames(1) == 4, "capped"
+
+
+def test_a_first_chunk_sized_by_the_load_plays_until_the_second_follows() -> None:
+    """Steps of 75 ms (under a frame's 85 ms), a chunk cut at the first frame decoded in 30 ms (the codec's most
+    urgent window) and every later one in 60: one frame runs dry before the second chunk arrives; the two
+    frames the sizer asks for do not."""
+    frames = random_frames(40)
+
+    def decode_s(at: float) -> float:
+        return 0.03 if at < 0.05 else 0.06
+
+    sizer = FirstChunkSizer(FRAME_S, cap=4)
+    for _ in range(60):
+        sizer.arrived(0.075, 1)
+        sizer.delivered(0.06)
+    _, one = paced_playback(ChunkPolicy(), frames, 0.075 / FRAME_S, decode_s, report=True)
+    windows, sized = paced_playback(ChunkPolicy(), frames, 0.075 / FRAME_S, decode_s, report=True,
+                                    initial=sizer.first_chunk_frames(1))
+    assert one, "one frame runs dry"
+    assert sized == [] and windows[0].chunk_frames == 2
 
 
 def test_paced_chunks_decode_like_the_whole_sequence(codec: SnacCodec) -> None:
