@@ -50,8 +50,8 @@ sessions on an H100 (2026-12-07, docs/benchmarks.md "The held first chunk again"
 rounds of 4 ran dry for 8-9 ms: this codec's calls took 30-35 ms there (up to 55), against SNAC's 21-24 (up
 to 40) under which the talker engine's 80 ms of slack was measured, so 120 ms; and a first chunk held
 through a burst's prefill (`ChunkStreamer.push`'s `hold_first`) waits for up to 4 frames (320 ms of audio)
-where 2 left a stream that started early in the burst 8 ms short of its next frames, which vllm-omni's
-talker sent 265 ms later while it prefilled the rest of the burst."""
+where 2 left the stream that started first in the burst 8 ms short: its next chunk reached the client 265 ms
+after its fourth frame's, while the rest of the burst was starting."""
 
 
 def conv_context_frames(decoder: Any) -> int:
