@@ -772,7 +772,9 @@ def engine_codec(engine: object) -> CodecBatcher | None:
 class CodecStats:
     """Codec work since start: decode calls (`batches`), windows decoded, the largest batch, frames, the
     decode time summed and at its worst (`decode_s`, `max_decode_ms`: the codec thread's call, copies and
-    stream sync included), and windows decoded after their deadline (`late`). Beside them, where the units'
+    stream sync included), windows decoded after their deadline (`late`) and of those the ones queued before
+    it (`late_in_codec`: the codec's queue and decode made them late; the rest were cut at or after their
+    deadline, a unit's first chunk among them, due when cut). Beside them, where the units'
     time to their first chunk went (`CodecBatcher.first_chunk`), summed over `first_chunks` units: from the
     engine call to the first chunk's frames (`first_frames_s`: prompt, the talker's queue, prefill and first
     frames) and from there to its audio (`first_decode_s`: the codec's queue and decode)."""
@@ -784,6 +786,7 @@ class CodecStats:
     decode_s: float = 0.0
     max_decode_ms: float = 0.0
     late: int = 0
+    late_in_codec: int = 0
     first_chunks: int = 0
     first_frames_s: float = 0.0
     first_decode_s: float = 0.0
@@ -801,6 +804,8 @@ class _Job:
     """The window frame its chunk ends in (exclusive): where its decoded span ends (`GraphedCodec.span_start`)."""
     start: int
     """The first frame of its decoded span."""
+    queued: float
+    """When it was queued (`time.perf_counter()`)."""
 
 
 class CodecBatcher:
@@ -898,8 +903,9 @@ class CodecBatcher:
             raise ValueError(f"codec: a chunk of {window.chunk_frames} frames is longer than the "
                              f"{self.codec.tail_frames}-frame span less {self.codec.tail_context} frames of context")
         future: asyncio.Future[FloatAudio] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Job(window, time.perf_counter() if deadline is None else deadline, future, times,
-                                length, end, start))
+        queued = time.perf_counter()
+        self._queue.append(_Job(window, queued if deadline is None else deadline, future, times, length, end, start,
+                                queued))
         self._queued_rows += self.codec.span(length)
         self._wake.set()
         return await future
@@ -946,8 +952,9 @@ class CodecBatcher:
         per_row = (ended - began) / rows
         hold = self.ROW_SECONDS_HOLD
         self._row_s = per_row if self._row_s is None else hold * self._row_s + (1 - hold) * per_row
-        self._count(len(batch), codes.shape[0] * length, ended - began,
-                    sum(1 for job in batch if job.deadline < ended))
+        late = [job for job in batch if job.deadline < ended]
+        self._count(len(batch), codes.shape[0] * length, ended - began, len(late),
+                    sum(1 for job in late if job.queued < job.deadline))
         for row, job in enumerate(batch):
             if job.times is not None:
                 job.times += [began, ended]
@@ -955,9 +962,10 @@ class CodecBatcher:
                 offset = job.start * spf
                 job.future.set_result(audio[row, job.window.emit_start - offset:job.window.emit_end - offset])
 
-    def _count(self, size: int, frames: int, seconds: float, late: int) -> None:
+    def _count(self, size: int, frames: int, seconds: float, late: int, late_in_codec: int) -> None:
         s = self.stats
         self.stats = dataclasses.replace(s, batches=s.batches + 1, windows=s.windows + size,
                                          max_batch=max(s.max_batch, size), frames=s.frames + frames,
                                          decode_s=s.decode_s + seconds,
-                                         max_decode_ms=max(s.max_decode_ms, seconds * 1000.0), late=s.late + late)
+                                         max_decode_ms=max(s.max_decode_ms, seconds * 1000.0), late=s.late + late,
+                                         late_in_codec=s.late_in_codec + late_in_codec)

@@ -703,7 +703,8 @@ def duel(clients: ProcessPoolExecutor, running: dict[str, Server], levels: list[
                         (args.out / "omni_duel.json").write_text(json.dumps(results, indent=1))
 
 
-CODEC_COUNTERS: Final = ("batches", "windows", "frames", "decode_seconds", "late_windows", "fallbacks",
+CODEC_COUNTERS: Final = ("batches", "windows", "frames", "decode_seconds", "late_windows",
+                         "late_in_codec_windows", "fallbacks",
                          "first_chunks", "first_frames_seconds", "first_decode_seconds", "gc_pause_seconds",
                          "gc_full_collections")
 
@@ -743,7 +744,8 @@ def codec_line(codec: dict[str, float] | None) -> str:
         return ""
     calls, units = max(codec["batches"], 1), max(codec["first_chunks"], 1)
     return (f"; codec {codec['batches']:.0f} calls, {codec['windows'] / calls:.1f} windows and "
-            f"{1000 * codec['decode_seconds'] / calls:.1f} ms a call, {codec['late_windows']:.0f} late, "
+            f"{1000 * codec['decode_seconds'] / calls:.1f} ms a call, {codec['late_windows']:.0f} late "
+            f"({codec['late_in_codec_windows']:.0f} of them queued in time), "
             f"{codec['cuda_graphs']:.0f} CUDA graphs; first chunk, mean of {codec['first_chunks']:.0f} units: "
             f"engine call -> frames {1000 * codec['first_frames_seconds'] / units:.0f} ms, "
             f"frames -> audio {1000 * codec['first_decode_seconds'] / units:.0f} ms; server gc "

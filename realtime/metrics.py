@@ -145,6 +145,9 @@ def _codec_families(batcher: CodecBatcher) -> Iterator[Metric]:
                               "stream sync included)", value=s.decode_s)
     yield CounterMetricFamily("voicewire_codec_late_windows", "Windows decoded after their deadline (the "
                               "audio before them had run out at the player's pace)", value=s.late)
+    yield CounterMetricFamily("voicewire_codec_late_in_codec_windows", "Late windows queued before their "
+                              "deadline: the codec's queue and decode made them late (the others were cut at or "
+                              "after it, first chunks among them)", value=s.late_in_codec)
     yield CounterMetricFamily("voicewire_codec_fallbacks", "Batches decoded again in float32 (not finite in "
                               "reduced precision)", value=batcher.codec.fallbacks)
     yield CounterMetricFamily("voicewire_codec_first_chunks", "Units whose first chunk was decoded",

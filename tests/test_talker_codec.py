@@ -376,6 +376,27 @@ async def test_batcher_estimates_the_work_queued_ahead_of_a_new_window(codec: Sn
     assert timed / 10 < per_frame < timed * 10, "the estimate is the measured decode time per window frame"
 
 
+async def test_batcher_tells_windows_the_codec_made_late_from_windows_cut_late(codec: SnacCodec) -> None:
+    """A window queued after its deadline (a first chunk: due when cut) counts as late, not in the codec; one
+    queued while its deadline was still ahead and decoded after it counts as both; one decoded in time, as
+    neither."""
+    batcher = CodecBatcher(codec)
+    batcher.start()
+    try:
+        window = DecodeWindow(0, random_frames(5, seed=1), 0, 5 * F, 5)
+        await batcher.decode(window)  # due at once: decoded after its deadline, cut at it
+        assert (batcher.stats.late, batcher.stats.late_in_codec) == (1, 0)
+        busy = asyncio.ensure_future(batcher.on_codec_thread(time.sleep, 0.05))  # the codec thread, for 50 ms
+        await asyncio.sleep(0)
+        await batcher.decode(window, time.perf_counter() + 0.01)  # ahead when queued, past once decoded
+        await busy
+        assert (batcher.stats.late, batcher.stats.late_in_codec) == (2, 1)
+        await batcher.decode(window, time.perf_counter() + 60.0)
+        assert (batcher.stats.late, batcher.stats.late_in_codec) == (2, 1)
+    finally:
+        await batcher.close()
+
+
 async def test_batcher_decodes_concurrent_windows_of_equal_length_together(codec: SnacCodec) -> None:
     batcher = CodecBatcher(codec)
     batcher.start()
