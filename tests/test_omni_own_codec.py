@@ -122,8 +122,8 @@ async def test_a_websocket_utterance_streams_every_frame_the_talker_made(server:
     async with websockets.connect(server.ws_url) as ws:
         await configure(ws, response_format="pcm", stream_audio=True, task_type="Base",
                         ref_audio=wav_base64(reference(1.5)), ref_text=REF_TEXT)
+        first = first_chunk_frames(server)  # before any of the text: no unit of this session runs yet
         await send(ws, {"type": "input.text", "text": text})
-        first = first_chunk_frames(server)
         await send(ws, {"type": "input.done"})
         got = await recv_until(ws, "session.done", timeout=300)
     chunks = [item for item in got.items if isinstance(item, bytes)]
