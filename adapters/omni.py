@@ -313,7 +313,9 @@ class OmniEngine:
         return 0 if self._omni is None else omni_compat.requests_in_flight(self._omni)
 
     async def start(self) -> None:
-        """Check the vllm-omni version, start its pipeline (one process per stage), run one short unit."""
+        """Check the vllm-omni version, start its pipeline (one process per stage) and, with the own codec,
+        load the decoder and capture its CUDA graphs (beside the pipeline's start when `kv_cache_pinned`,
+        before it otherwise), then run one short unit. On failure everything started is closed again."""
         if self._omni is not None:
             return
         omni_compat.check_version()
@@ -331,15 +333,22 @@ class OmniEngine:
         deploy = omni_compat.resolved_deploy_config(
             self._deploy_file or omni_compat.default_deploy_config("qwen3_tts"))
         self._references = CachedReferences(references_kept(deploy))
-        if self.config.own_codec:
-            await self._start_codec(self.config.random_weights or dummy_weights(deploy))
         if self.config.pacing is not None or self.config.own_codec:
             omni_compat.register_paced_pipeline(FRAMES_PROCESSOR if self.config.own_codec else PACING_PROCESSOR)
+        codec: asyncio.Future[None] | None = None
         try:
+            if self.config.own_codec:
+                codec = asyncio.ensure_future(self._start_codec(self.config.random_weights or dummy_weights(deploy)))
+                if not kv_cache_pinned(deploy):
+                    await codec  # a stage's memory profiling must not see this process allocate and free meanwhile
             self._omni = await asyncio.to_thread(omni_compat.create_async_omni, self.config.model,
                                                  self._deploy_file, init_timeout_s=self.config.init_timeout_s)
+            if codec is not None:
+                await codec
             await self._warm_up()
         except BaseException:
+            if codec is not None:
+                await asyncio.gather(codec, return_exceptions=True)
             await self.close()
             raise
         self._first_chunks = self._first_chunk_sizer()  # the warm-up's first decodes are no measure of load
@@ -654,6 +663,15 @@ class OmniEngine:
             x_vector_only_mode=True if base else None)
         async for _ in self._synthesize(request):
             pass
+
+
+def kv_cache_pinned(deploy: Mapping[str, Any]) -> bool:
+    """Whether every stage of a deploy config fixes its KV cache (`kv_cache_memory_bytes`). vLLM then sizes
+    no KV cache by profiling the GPU's free memory, which another process allocating and freeing during a
+    stage's start would upset (vLLM 0.26 stops the stage when free memory rose meanwhile), so voicewire's
+    own codec may capture its CUDA graphs while the pipeline starts; otherwise it captures them before."""
+    stages = [stage for stage in deploy.get("stages", []) if isinstance(stage, dict)]
+    return bool(stages) and all(stage.get("kv_cache_memory_bytes") for stage in stages)
 
 
 def dummy_weights(deploy: Mapping[str, Any]) -> bool:

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("vllm_omni", reason="vllm-omni is not installed (extra omni-cpu, docs/engines.md)")
 
-from voicewire.adapters.omni import CPU_STAGE_CONFIGS, OmniConfig, OmniEngine, dummy_weights
+from voicewire.adapters.omni import CPU_STAGE_CONFIGS, OmniConfig, OmniEngine, dummy_weights, kv_cache_pinned
 from voicewire.adapters.omni_codec import QWEN3_POLICY
 from voicewire.adapters.omni_testing import write_qwen3_tts
 from voicewire.protocol.engine import SynthesisRequest, VoiceSample
@@ -274,3 +274,17 @@ def test_the_codec_takes_random_weights_where_the_pipeline_loads_none() -> None:
     assert dummy_weights({"stages": [{"stage_id": 0, "load_format": "dummy"}, {"stage_id": 1}]})
     assert not dummy_weights({"stages": [{"stage_id": 0}, {"stage_id": 1, "load_format": "auto"}]})
     assert not dummy_weights({})
+
+
+def test_the_codec_starts_beside_the_pipeline_only_where_every_stage_pins_its_kv_cache() -> None:
+    """vLLM sizes an unpinned stage's KV cache from the GPU's free memory during its start, which the codec's
+    graph capture in this process would upset; the CPU configs (and the duel's `--kv-cache-gib`) pin it."""
+    import yaml
+
+    for path in CPU_STAGE_CONFIGS.values():
+        assert kv_cache_pinned(yaml.safe_load(Path(path).read_text())), path
+    pinned = {"stage_id": 0, "kv_cache_memory_bytes": 2**30}
+    assert kv_cache_pinned({"stages": [pinned, {**pinned, "stage_id": 1}]})
+    assert not kv_cache_pinned({"stages": [pinned, {"stage_id": 1, "gpu_memory_utilization": 0.2}]})
+    assert not kv_cache_pinned({"stages": [pinned, {"stage_id": 1, "kv_cache_memory_bytes": 0}]})
+    assert not kv_cache_pinned({})
