@@ -279,10 +279,10 @@ def test_the_codec_takes_random_weights_where_the_pipeline_loads_none() -> None:
 def test_the_codec_starts_beside_the_pipeline_only_where_every_stage_pins_its_kv_cache() -> None:
     """vLLM sizes an unpinned stage's KV cache from the GPU's free memory during its start, which the codec's
     graph capture in this process would upset; the CPU configs (and the duel's `--kv-cache-gib`) pin it."""
-    import yaml
+    from voicewire.adapters.omni_compat import resolved_deploy_config
 
     for path in CPU_STAGE_CONFIGS.values():
-        assert kv_cache_pinned(yaml.safe_load(Path(path).read_text())), path
+        assert kv_cache_pinned(resolved_deploy_config(path)), path
     pinned = {"stage_id": 0, "kv_cache_memory_bytes": 2**30}
     assert kv_cache_pinned({"stages": [pinned, {**pinned, "stage_id": 1}]})
     assert not kv_cache_pinned({"stages": [pinned, {"stage_id": 1, "gpu_memory_utilization": 0.2}]})
