@@ -95,8 +95,7 @@ class FrameRouter(asyncio.DatagramProtocol):
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.dropped = 0
-        """Datagrams for no claimed ticket, or malformed."""
+        self._malformed_logged = False
         self.history: dict[int, list[Frame]] | None = None
         """When set to a dict: every frame routed is also kept there, by ticket (for traces and tests), and
         each reference in `references`."""
@@ -146,12 +145,14 @@ class FrameRouter(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: Any) -> None:
         try:
             ticket, index, codes = decode(data)
-        except ValueError:
-            self.dropped += 1
+        except ValueError as exc:
+            if not self._malformed_logged:  # a sender's bug, not load: say it once, not per datagram
+                self._malformed_logged = True
+                log.warning("omni frames: a malformed datagram was dropped (%s); later ones are dropped silently",
+                            exc)
             return
         queue = self._queues.get(ticket)
-        if queue is None:
-            self.dropped += 1
+        if queue is None:  # its unit ended (aborted, or a last step processed twice): nothing waits for it
             return
         queue.put_nowait((index, codes))
         if index != REFERENCE_INDEX:

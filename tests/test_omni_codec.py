@@ -6,6 +6,7 @@ windows of concurrent streams."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import socket
 from collections.abc import Iterator
@@ -184,6 +185,30 @@ async def test_the_frame_router_counts_the_units_no_frame_has_arrived_for() -> N
         assert router.unstarted == 1
         router.release(c)
         assert router.unstarted == 0 and router.claimed == 2
+    finally:
+        talker.close()
+        router.close()
+
+
+async def test_the_frame_router_drops_malformed_and_unclaimed_datagrams_and_keeps_routing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A datagram too short for a header, reference codes that do not divide into their frames, and frames for
+    a released ticket are dropped; the frames after them still reach their unit, and the malformed ones are
+    logged once (a sender's bug), not once per datagram."""
+    router = await FrameRouter.open()
+    talker = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        (a, queue_a), (gone, _) = router.claim(), router.claim()
+        router.release(gone)
+        with caplog.at_level(logging.WARNING, logger="voicewire.adapters.omni_frames"):
+            talker.sendto(b"\x01", router.path)
+            talker.sendto(omni_frames.encode(a, 3, list(range(2 * CODES)), omni_frames.REFERENCE), router.path)
+            talker.sendto(omni_frames.encode(gone, 0, list(range(CODES))), router.path)
+            talker.sendto(omni_frames.encode(a, 0, list(range(CODES))), router.path)
+            index, codes = await asyncio.wait_for(queue_a.get(), 5)
+        assert index == 0 and codes is not None and codes.tolist() == list(range(CODES))
+        assert queue_a.empty() and router.unstarted == 0
+        assert [r.levelno for r in caplog.records if "malformed" in r.getMessage()] == [logging.WARNING]
     finally:
         talker.close()
         router.close()
