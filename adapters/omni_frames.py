@@ -96,6 +96,7 @@ class FrameRouter(asyncio.DatagramProtocol):
     def __init__(self, path: str) -> None:
         self.path = path
         self._malformed_logged = False
+        """Whether a malformed datagram was logged yet (one warning per router)."""
         self.history: dict[int, list[Frame]] | None = None
         """When set to a dict: every frame routed is also kept there, by ticket (for traces and tests), and
         each reference in `references`."""
